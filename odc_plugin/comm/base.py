@@ -1,0 +1,91 @@
+"""The one-sided operations ODC needs, independent of FSDP.
+
+A transport connects the ranks of one process group. Each rank owns one slice of every *symmetric
+region* (the same size on every rank); any rank may read a peer's slice (`get`) or add into it
+(`accumulate`) without the peer taking part. The only meeting point is `barrier`, once per mini-batch.
+
+Set-up (`alloc`) is collective and runs outside mini-batches; `get`, `accumulate` and `barrier` never
+call a collective on the process group, which is what lets ranks drift apart between barriers.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class ODCTimeoutError(RuntimeError):
+    """A rank waited longer than the barrier timeout; names the ranks that never arrived."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A symmetric region: `numel` elements of `dtype` on every rank, `local` is this rank's slice."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    local: torch.Tensor
+
+
+class Transport(abc.ABC):
+    """One-sided get / accumulate over symmetric regions, plus a timed barrier."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    @abc.abstractmethod
+    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
+        """Collective: every rank allocates `numel` zeroed elements that all peers can reach."""
+
+    @abc.abstractmethod
+    def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
+        """Copy `out.numel()` elements of `peer`'s slice, starting at `offset`, into `out`."""
+
+    @abc.abstractmethod
+    def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
+        """Add `src` into `peer`'s slice at `offset`; concurrent writers from many ranks lose nothing."""
+
+    @abc.abstractmethod
+    def barrier(self, timeout_s: float) -> None:
+        """Wait until every rank arrives, with every earlier accumulate visible to its owner.
+
+        Raises ODCTimeoutError naming the missing ranks after `timeout_s` seconds.
+        """
+
+    def wait_at_least(self, region: Region, peer: int, offset: int, value: int, timeout_s: float, what: str) -> None:
+        """Poll an int64 flag in `peer`'s slice until it reaches `value`; `what` names the wait in the error.
+
+        Point-to-point: only `peer` has to have got there, nobody else.
+        """
+        flag = torch.empty(1, dtype=region.dtype, device=region.local.device)
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-5
+        while True:
+            self.get(region, peer, offset, flag)
+            if int(flag.item()) >= value:
+                return
+            if time.monotonic() > deadline:
+                raise ODCTimeoutError(
+                    f"rank {self.rank}: waited {timeout_s:g}s for {what}; rank {peer} did not get there"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's outstanding asynchronous transfers (no-op for synchronous transports)."""
+
+    def close(self) -> None:
+        """Release the regions; safe to call twice."""
+
+    def _check_range(self, region: Region, peer: int, offset: int, n: int) -> None:
+        if not 0 <= peer < self.world_size:
+            raise ValueError(f"peer {peer} out of range for world size {self.world_size}")
+        if offset < 0 or offset + n > region.numel:
+            raise ValueError(
+                f"range [{offset}, {offset + n}) outside region '{region.name}' of {region.numel} elements"
+            )
