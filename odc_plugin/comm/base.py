@@ -76,6 +76,11 @@ class Transport(abc.ABC):
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
+    def signal(self, region: Region, offset: int, value: int) -> None:
+        """Set an int64 flag in this rank's own slice, after every transfer this rank issued before it."""
+        self.synchronize()
+        region.local[offset] = value
+
     def synchronize(self) -> None:
         """Wait for this rank's outstanding asynchronous transfers (no-op for synchronous transports)."""
 

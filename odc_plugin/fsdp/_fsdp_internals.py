@@ -1,0 +1,75 @@
+"""Every touch of FSDP2's private state, in one place.
+
+FSDP2's public hooks (`set_custom_all_gather`, `set_custom_reduce_scatter`, ...) decide *how* bytes move
+but not *which* bytes: ODC must publish a rank's all-gather input before any peer asks for it, and must
+write gradients back into the sharded `.grad` of each parameter. Both need the per-group parameter
+layout that FSDP keeps privately. Reading it here, and only here, keeps a torch upgrade a one-file fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter's gradient shard sits inside its group's reduce-scatter output."""
+
+    param: nn.Parameter  # the sharded DTensor parameter
+    offset: int  # elements from the start of the group's reduce-scatter output
+    padded_numel: int  # elements FSDP reserves for this rank's shard (dim-0 padded)
+
+
+def fsdp_modules_and_groups(model: nn.Module) -> list[tuple[FSDPModule, list]]:
+    """Each FSDP module of `model` (root first) with its parameter groups, after FSDP's lazy init."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules or modules[0] is not model:
+        raise ValueError("ODC needs a model whose root module is wrapped with fully_shard")
+    # Lazy init fixes the root, the mixed-precision dtypes and the sharded parameters; FSDP runs it on the
+    # first forward, but ODC publishes shards before that.
+    model._get_fsdp_state()._lazy_init()
+    result, seen = [], set()
+    for module in modules:
+        state = module._get_fsdp_state()
+        if id(state) not in seen:
+            seen.add(id(state))
+            result.append((module, _groups_of(state)))
+    return result
+
+
+def _groups_of(state) -> list:
+    if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.12
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group  # torch 2.11: at most one group per module
+    return [group] if group is not None else []
+
+
+def all_gather_input(group) -> torch.Tensor:
+    """This rank's all-gather input for `group`, byte for byte what FSDP's copy-in produces."""
+    inputs = _fsdp_collectives._get_param_all_gather_inputs(group.fsdp_params)
+    flat = [t.reshape(-1) for ts in inputs for t in ts]
+    if len({t.dtype for t in flat}) > 1:
+        flat = [t.view(torch.uint8) for t in flat]
+    return torch.cat(flat)
+
+
+def grad_slots(group) -> list[ParamSlot]:
+    """The reduce-scatter layout of `group`: every trainable parameter, in FSDP's order.
+
+    FSDP drops parameters without a gradient from the layout unless told to reduce-scatter unused ones;
+    ODC turns that on, so the layout is the same for every micro-batch.
+    """
+    slots, offset = [], 0
+    for fsdp_param in group.fsdp_params:
+        param = fsdp_param.sharded_param
+        if not param.requires_grad:
+            continue
+        padded = fsdp_param.padded_sharded_param_size.numel()
+        slots.append(ParamSlot(param, offset, padded))
+        offset += padded
+    return slots

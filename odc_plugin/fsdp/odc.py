@@ -1,0 +1,221 @@
+"""ODC on FSDP2: on-demand gathers and scatter-accumulates in place of FSDP's collectives.
+
+`apply_odc(model, transport)` takes a model already wrapped with `fully_shard` (blocks and root) and
+turns every all-gather into gets from the owners' published shards and every reduce-scatter into
+accumulates into the owners' fp32 accumulators. A mini-batch is bracketed by `begin()` / `end()`:
+
+- begin: this rank publishes its parameter shards (in the all-gather dtype) and raises its "published"
+  flag. Peers wait for that flag, point to point, the first time they touch this rank in the mini-batch.
+- end: one barrier (every accumulate has landed), then this rank's accumulator becomes its sharded
+  `.grad`, so optimizer step and grad clipping run unchanged.
+
+Between the two no collective runs, so ranks may run any number of micro-batches, zero included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.tensor import DTensor
+
+from ..comm import Transport
+from . import _fsdp_internals as fsdp_internals
+
+
+@dataclass
+class ODCConfig:
+    barrier_timeout_s: float = 600.0
+    # None keeps FSDP2's default: the mean over ranks of each rank's summed micro-batch gradients.
+    gradient_divide_factor: float | None = None
+
+    def __post_init__(self):
+        if not self.barrier_timeout_s > 0:
+            raise ValueError(f"barrier_timeout_s must be > 0, got {self.barrier_timeout_s}")
+        if self.gradient_divide_factor is not None and not self.gradient_divide_factor > 0:
+            raise ValueError(f"gradient_divide_factor must be > 0 or None, got {self.gradient_divide_factor}")
+
+
+@dataclass
+class MiniBatchStats:
+    compute_s: float = 0.0  # begin -> arrival at the barrier
+    wait_s: float = 0.0  # time in the barrier
+
+
+@dataclass(frozen=True)
+class _GroupLayout:
+    """Where one FSDP parameter group lives in the symmetric regions."""
+
+    group: object  # FSDPParamGroup
+    param_offset: int  # bytes into the params region
+    param_nbytes: int
+    grad_offset: int  # elements into the grads region
+    slots: list[fsdp_internals.ParamSlot]
+
+
+class OnDemandComm:
+    """ODC state of one FSDP2 model: its regions, its hooks and the mini-batch protocol."""
+
+    def __init__(self, model: nn.Module, transport: Transport, config: ODCConfig | None = None):
+        self.model = model
+        self.transport = transport
+        self.config = config or ODCConfig()
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.epoch = 0
+        self.in_minibatch = False
+        self.last_stats = MiniBatchStats()
+        self._backward = False
+        self._ready_peers: set[int] = set()
+        self._begin_time = 0.0
+
+        modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
+        self.layouts: list[_GroupLayout] = []
+        param_bytes = grad_numel = 0
+        for _, groups in modules_and_groups:
+            for group in groups:
+                shard = fsdp_internals.all_gather_input(group)
+                nbytes = shard.numel() * shard.element_size()
+                slots = fsdp_internals.grad_slots(group)
+                self.layouts.append(_GroupLayout(group, param_bytes, nbytes, grad_numel, slots))
+                param_bytes += nbytes
+                grad_numel += sum(s.padded_numel for s in slots)
+        self.params = transport.alloc("odc.params", param_bytes, torch.uint8)
+        self.grads = transport.alloc("odc.grads", grad_numel, torch.float32)
+        self.published = transport.alloc("odc.published", 1, torch.int64)
+
+        # With one rank FSDP never calls its comm hooks, and its own gradients are already final.
+        if self.world_size > 1:
+            layout_of = {id(layout.group): layout for layout in self.layouts}
+            for module, groups in modules_and_groups:
+                (group,) = groups  # FSDP's custom-comm setters refuse modules with several groups
+                layout = layout_of[id(group)]
+                module.set_custom_all_gather(_OnDemandAllGather(self, layout))
+                module.set_custom_reduce_scatter(_ScatterAccumulate(self, layout))
+                # Plain sums reach the hook; ODC divides once, at the end of the mini-batch.
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_gradient_divide_factor(1.0)
+                module.set_reduce_scatter_unused_params(True, recurse=False)
+
+    @property
+    def divide_factor(self) -> float:
+        return self.config.gradient_divide_factor or float(self.world_size)
+
+    def begin(self, backward: bool = True) -> None:
+        """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes."""
+        if self.in_minibatch:
+            raise RuntimeError("ODC begin() called twice without end()")
+        self.in_minibatch, self._backward = True, backward
+        self._begin_time = time.perf_counter()
+        self.epoch += 1
+        self._ready_peers = {self.rank}
+        with torch.no_grad():
+            for layout in self.layouts:
+                shard = fsdp_internals.all_gather_input(layout.group).view(torch.uint8)
+                self.params.local[layout.param_offset : layout.param_offset + layout.param_nbytes].copy_(shard)
+        self.transport.signal(self.published, 0, self.epoch)
+
+    def end(self) -> MiniBatchStats:
+        """Finish the mini-batch: meet every rank once, then take this rank's gradient shard."""
+        if not self.in_minibatch:
+            raise RuntimeError("ODC end() called without begin()")
+        arrive = time.perf_counter()
+        try:
+            self.transport.synchronize()
+            self.transport.barrier(self.config.barrier_timeout_s)
+        finally:
+            self.in_minibatch = False
+        done = time.perf_counter()
+        if self._backward and self.world_size > 1:
+            self._take_gradients()
+        self.last_stats = MiniBatchStats(compute_s=arrive - self._begin_time, wait_s=done - arrive)
+        return self.last_stats
+
+    @contextlib.contextmanager
+    def minibatch(self, backward: bool = True):
+        self.begin(backward)
+        yield self
+        self.end()
+
+    @torch.no_grad()
+    def _take_gradients(self) -> None:
+        acc = self.grads.local
+        for layout in self.layouts:
+            for slot in layout.slots:
+                param = slot.param
+                local = param.to_local()
+                start = layout.grad_offset + slot.offset
+                grad = (acc[start : start + local.numel()].view(local.shape) / self.divide_factor).to(local.dtype)
+                if param.grad is None:
+                    param.grad = DTensor.from_local(
+                        grad, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                    )
+                else:
+                    param.grad.to_local().add_(grad)
+        acc.zero_()
+
+    def wait_published(self, peer: int) -> None:
+        """Block until `peer` has published this mini-batch's shards (once per peer per mini-batch)."""
+        if not self.in_minibatch:
+            raise RuntimeError("ODC communication outside a mini-batch: run forward/backward inside begin()/end()")
+        if peer not in self._ready_peers:
+            self.transport.wait_at_least(
+                self.published, peer, 0, self.epoch, self.config.barrier_timeout_s, f"mini-batch {self.epoch} shards"
+            )
+            self._ready_peers.add(peer)
+
+    def peers(self):
+        """Every other rank, starting after this one, so ranks do not all hit the same owner at once."""
+        return [(self.rank + i) % self.world_size for i in range(1, self.world_size)]
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class _BufferAlloc:
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class _OnDemandAllGather(_BufferAlloc, AllGather):
+    """FSDP all-gather replaced by gets from each owner's published shard."""
+
+    def __init__(self, odc: OnDemandComm, layout: _GroupLayout):
+        self.odc, self.layout = odc, layout
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        odc, layout = self.odc, self.layout
+        chunks = output_tensor.view(odc.world_size, -1)
+        if chunks[0].numel() * chunks.element_size() != layout.param_nbytes:
+            raise RuntimeError("FSDP's all-gather layout changed after apply_odc(); call apply_odc() again")
+        for peer in odc.peers():
+            odc.wait_published(peer)
+            odc.transport.get(odc.params, peer, layout.param_offset, chunks[peer].view(torch.uint8))
+        return None
+
+
+class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
+    """FSDP reduce-scatter replaced by accumulates into each owner's gradient accumulator."""
+
+    def __init__(self, odc: OnDemandComm, layout: _GroupLayout):
+        self.odc, self.layout = odc, layout
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        odc, layout = self.odc, self.layout
+        if op != torch.distributed.ReduceOp.SUM:
+            raise RuntimeError(f"ODC expects FSDP to hand it a SUM reduce-scatter, got {op}")
+        chunks = input_tensor.view(odc.world_size, -1)
+        for peer in [odc.rank, *odc.peers()]:
+            odc.wait_published(peer)
+            odc.transport.accumulate(odc.grads, peer, layout.grad_offset, chunks[peer])
+        # FSDP adds the output into `.grad`; the real gradient arrives from the accumulator at end().
+        output_tensor.zero_()
+        return None
+
+
+def apply_odc(model: nn.Module, transport: Transport, config: ODCConfig | None = None) -> OnDemandComm:
+    """Switch a `fully_shard`-ed model to on-demand communication (collective: all ranks call it)."""
+    return OnDemandComm(model, transport, config)

@@ -1,0 +1,92 @@
+"""Run a function on W CPU processes joined by a gloo process group (tests, benchmarks, the demo).
+
+Each rank runs with one thread so that W ranks on W cores do not fight over them. Results come back
+through files (torch.save), not pipes, so a rank may return tensors and exit at once. If any rank fails,
+the others are killed and the first failure is raised with its traceback; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message carries its traceback or exit code."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException as e:  # noqa: BLE001 - the parent re-raises it with the traceback
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, path)
+        os._exit(1)
+    # Leave without tearing the group down: a rank that waits in destroy_process_group for a dead peer
+    # would hang, and the parent only needs the result file.
+    os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600.0,
+              pg_timeout_s: float = 120.0, failure_grace_s: float = 30.0) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` processes; return the per-rank results.
+
+    `fn` must be importable (a module-level function). Raises RankFailed naming the first failed rank.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, out_dir, args, pg_timeout_s), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    # One rank failed: the rest get a grace period to fail on their own (a barrier
+                    # timeout, say) so their errors are reported too.
+                    deadline = min(deadline, time.monotonic() + failure_grace_s)
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                why = "was killed at the time limit" if p.exitcode == -9 else f"exited with code {p.exitcode}"
+                results.append({"ok": False, "error": f"{why} and left no result", "traceback": ""})
+            else:
+                results.append(torch.load(path, weights_only=False))
+        failed = [(r, res) for r, res in enumerate(results) if not res["ok"]]
+        if failed:
+            r, res = failed[0]
+            others = ", ".join(f"rank {q}: {e['error']}" for q, e in failed[1:])
+            raise RankFailed(f"rank {r} failed: {res['error']}" + (f" (also {others})" if others else "")
+                             + f"\n{res['traceback']}")
+        return [res["result"] for res in results]
