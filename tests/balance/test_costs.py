@@ -1,0 +1,78 @@
+"""Cost models: the FLOP counts against a real transformers model's weights and Qwen2.5's published sizes."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from odc_plugin.balance import QWEN2_5_PRESETS, FitCost, FlopsCost, TokenCost, get_cost_model
+
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 100,
+}
+
+
+def test_tokens_and_fit():
+    assert TokenCost()(123) == 123
+    assert FitCost(a=2.0, b=3.0)(10) == 230
+    assert FitCost(a=0.5, b=0).costs([2, 4]) == [2, 8]
+
+
+def test_flops_linear_term_is_two_flops_per_weight_forward_six_for_training():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=False))
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    cost = FlopsCost.from_config(model.config)
+    assert cost.linear_flops_per_token == 2 * weights
+    # Causal attention: QK^T and PV each take s*s/2 multiply-adds (2 FLOPs) per head dim, head and layer.
+    s, layers, heads, head_dim = 1000, 2, 4, 16
+    attention = 2 * (2 * s * s // 2) * head_dim * heads * layers
+    assert cost(s) == 3 * (2 * weights * s + attention)
+
+
+def test_qwen2_5_7b_preset_matches_published_parameter_count():
+    cost = FlopsCost.from_config("Qwen2.5-7B")
+    non_embedding = 6.53e9  # model card; the untied LM head is one more hidden x vocab matrix
+    lm_head = 3584 * 152064
+    assert cost.linear_flops_per_token / 2 == pytest.approx(non_embedding + lm_head, rel=5e-3)
+
+
+@pytest.mark.parametrize("name", list(QWEN2_5_PRESETS))
+def test_presets_dict_and_pretrained_config_agree(name):
+    from transformers import Qwen2Config
+
+    from_dict = FlopsCost.from_config(dict(QWEN2_5_PRESETS[name]))
+    assert FlopsCost.from_config(name) == from_dict == FlopsCost.from_config(Qwen2Config(**QWEN2_5_PRESETS[name]))
+    assert from_dict.head_dim == (64 if name == "Qwen2.5-0.5B" else 128)
+
+
+def test_get_cost_model():
+    assert get_cost_model() == TokenCost()
+    assert get_cost_model("flops") == FlopsCost.from_config("Qwen2.5-7B")
+    assert get_cost_model("flops", model=TINY) == FlopsCost(**TINY)
+    assert get_cost_model("fit", a=1, b=2) == FitCost(1, 2)
+    fit = FitCost(1, 2)
+    assert get_cost_model(fit) is fit
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        (("bogus",), {}, "unknown cost model 'bogus'"),
+        (("fit",), {}, "bad options for the 'fit' cost model"),
+        (("fit",), {"a": -1, "b": 1}, "a >= 0"),
+        (("flops",), {"model": "Qwen9"}, "unknown model preset 'Qwen9'"),
+        (("flops",), {"model": {"hidden_size": 8}}, "lacks num_hidden_layers"),
+        (("flops",), {"model": 5}, "must be a preset name, a dict or a PretrainedConfig, got 5"),
+        ((TokenCost(),), {"a": 1}, "already built"),
+    ],
+)
+def test_get_cost_model_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        get_cost_model(*args, **kwargs)
