@@ -9,15 +9,31 @@ from .base import ODCTimeoutError, Region, Transport
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "nvshmem")
 
 
-def make_transport(kind: str = "auto", group: dist.ProcessGroup | None = None) -> Transport:
-    """Build the transport `kind` over `group` (collective: every rank of the group calls it)."""
+def make_transport(kind: str = "auto", group: dist.ProcessGroup | None = None, **options) -> Transport:
+    """Build the transport `kind` over `group` (collective: every rank of the group calls it).
+
+    "auto": shm on CPU; on GPUs cuda_ipc when every rank is on one node, else nvshmem (see select.py).
+    `options` go to the GPU transports' constructors (e.g. `staging=` for nvshmem).
+    """
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown ODC transport '{kind}'; expected one of {', '.join(TRANSPORTS)}")
-    if kind in ("auto", "shm"):
+    if kind == "auto":
+        from .select import resolve_auto
+
+        kind = resolve_auto(group)
+    if kind == "shm":
         from .shm import ShmTransport
 
+        if options:
+            raise TypeError(f"the shm transport takes no options, got {sorted(options)}")
         return ShmTransport(group)
-    raise NotImplementedError(f"ODC transport '{kind}' is not built yet")
+    if kind == "cuda_ipc":
+        from .cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(group, **options)
+    from .nvshmem import NvshmemTransport
+
+    return NvshmemTransport(group, **options)
 
 
 __all__ = ["ODCTimeoutError", "Region", "Transport", "TRANSPORTS", "make_transport"]

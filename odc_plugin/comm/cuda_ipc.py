@@ -1,0 +1,147 @@
+"""CUDA IPC transport: ranks on one node, each with its own GPU (or sharing one, as the tests do).
+
+Every rank allocates each region on its GPU and exports it with torch's own CUDA IPC support (the
+mechanism torch.multiprocessing uses); the handles go round once, at `alloc`, through the process group.
+Each rank maps every peer's region *on its own device*: the mapping is a tensor on this rank's GPU whose
+memory lives on the peer's GPU, reached over NVLink/P2P. So `get` is a plain device copy and
+`accumulate` a Triton kernel doing atomic adds straight into the owner's fp32 accumulator, both
+enqueued on the caller's current stream; the owner does nothing.
+
+The barrier pushes: each rank writes its epoch into its own slot of every peer's arrival array (a
+release store at system scope, after the whole device is synchronized) and then polls its own array.
+
+Ordering, and why it holds without luck:
+- publish -> get: the owner's shard copy completes (host synchronize in `signal`) before its flag is
+  even written; a reader issues its gets only after its host saw the flag. Each get is a fresh copy
+  reading the owner's memory over P2P, so it cannot hit stale lines cached on the reader's side.
+- accumulate -> barrier: a rank's adds are device-complete (host synchronize) before its arrival flags
+  are released; the owner leaves the barrier only after seeing every flag, so kernels it launches
+  afterwards (reading its accumulator) start after every peer's adds were performed in its memory.
+- concurrent writers: adds into one word from several GPUs are atomic at system scope; no locks.
+
+Needs: Triton (the `gpu` extra), every GPU of the node visible to every rank (CUDA IPC opens a handle
+only in a process that can see the owning device) and peer access between them, with native P2P
+atomics (NVLink) when ranks are on different GPUs. Verified only on a GPU machine
+(tests/comm/test_gpu_cuda_ipc.py); nothing here runs on CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from .base import ODCTimeoutError, Region, Transport
+
+_BARRIER = "odc.barrier"
+
+
+class CudaIpcTransport(Transport):
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        if not torch.cuda.is_available():
+            raise RuntimeError("the cuda_ipc transport needs CUDA; on CPU use 'shm'")
+        # Triton is imported here, not at the top, so that the package imports without it.
+        from . import kernels
+
+        self._kernels = kernels
+        self.group = group
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        hosts: list = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:
+            raise RuntimeError(f"the cuda_ipc transport needs every rank on one node, got {sorted(set(hosts))}; "
+                               "use 'nvshmem' (or 'auto') across nodes")
+        self._own: dict[str, torch.Tensor] = {}
+        self._peers: dict[str, list[torch.Tensor]] = {}
+        self._barrier_stream = torch.cuda.Stream(self.device)
+        self._arrivals = self.alloc(_BARRIER, self.world_size, torch.int64)
+        self._arrivals_host = torch.zeros(self.world_size, dtype=torch.int64, pin_memory=True)
+        self._epoch = 0
+
+    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
+        if name in self._peers:
+            raise ValueError(f"region '{name}' is already allocated")
+        own = torch.zeros(max(numel, 1), dtype=dtype, device=self.device)
+        # The zeros must be in memory before any peer can write into the region; the collective below
+        # only starts once this has returned.
+        torch.cuda.synchronize(self.device)
+        _, args = reduce_tensor(own)
+        exported: list = [None] * self.world_size
+        dist.all_gather_object(exported, args, group=self.group)
+        peers = [own if r == self.rank else self._open(r, name, exported[r]) for r in range(self.world_size)]
+        self._own[name] = own
+        self._peers[name] = [t[:numel] for t in peers]
+        return Region(name, numel, dtype, self._peers[name][self.rank])
+
+    def _open(self, peer: int, name: str, args) -> torch.Tensor:
+        bound = inspect.signature(rebuild_cuda_tensor).bind(*args)
+        # Map the peer's memory into *this* rank's device: kernels launched here address it directly,
+        # and no CUDA context is created on the peer's GPU in this process.
+        bound.arguments["storage_device"] = self.device.index
+        # The producer synchronized before exporting, so there is nothing to wait for.
+        bound.arguments["event_sync_required"] = False
+        try:
+            return rebuild_cuda_tensor(*bound.args)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"cuda_ipc: rank {self.rank} cannot map rank {peer}'s region '{name}' on {self.device}: {e}. "
+                "Every rank must see all GPUs of the node and they must support peer access; "
+                "otherwise use the 'nvshmem' transport"
+            ) from e
+
+    def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
+        n = out.numel()
+        self._check_range(region, peer, offset, n)
+        # Same-device copy on the current stream: cudaMemcpyAsync reads the peer's GPU over P2P.
+        out.view(-1).copy_(self._peers[region.name][peer][offset : offset + n])
+
+    def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
+        n = src.numel()
+        self._check_range(region, peer, offset, n)
+        if region.dtype != torch.float32:
+            raise TypeError(f"accumulate needs a float32 region, '{region.name}' is {region.dtype}")
+        self._kernels.accumulate(self._peers[region.name][peer][offset : offset + n], src, scope="sys")
+
+    def barrier(self, timeout_s: float) -> None:
+        self._epoch += 1
+        # Host-synchronizing the device waits for every stream this rank enqueued gets and accumulates on
+        # (FSDP's all-gather and reduce-scatter streams included), so every atomic add has been performed
+        # in its owner's memory before the flag below is written.
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self._barrier_stream):
+            for peer in range(self.world_size):
+                # Release store at system scope: a peer that reads this epoch also sees every write above.
+                self._kernels.store_release(self._peers[_BARRIER][peer][self.rank : self.rank + 1], self._epoch)
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-5
+        while True:
+            with torch.cuda.stream(self._barrier_stream):
+                self._arrivals_host.copy_(self._arrivals.local, non_blocking=True)
+            self._barrier_stream.synchronize()
+            missing = [r for r in range(self.world_size) if int(self._arrivals_host[r]) < self._epoch]
+            if not missing:
+                # Every peer's adds into this rank's memory completed before its flag was released, and
+                # kernels launched from here on start after this host observation: they read final sums.
+                return
+            if time.monotonic() > deadline:
+                raise ODCTimeoutError(
+                    f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; "
+                    f"rank(s) {missing} did not arrive"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        if self._peers:
+            torch.cuda.synchronize(self.device)
+        # Dropping the mappings closes the IPC handles (torch counts them for the exporting process).
+        self._peers.clear()
+        self._own.clear()

@@ -1,0 +1,28 @@
+"""cuda_ipc transport with real processes on the GPU(s) of one machine (all ranks share GPU 0 when there
+is only one). Needs CUDA and Triton; skipped otherwise."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from odc_plugin.launch import run_ranks
+
+from . import transport_workers
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the `gpu` extra)"),
+]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_conformance(world):
+    for rank, res in enumerate(run_ranks(transport_workers.conformance, world, "cuda_ipc", {}, timeout_s=300)):
+        assert res == {"gets": True, "first": True, "second": True}, rank
+
+
+def test_barrier_timeout_names_the_missing_rank():
+    results = run_ranks(transport_workers.late_rank, 3, "cuda_ipc", 2, timeout_s=300)
+    for rank in (0, 1):
+        assert results[rank] == f"rank {rank}: ODC barrier #1 timed out after 1s; rank(s) [2] did not arrive"

@@ -1,0 +1,124 @@
+"""Per-rank bodies of the GPU transport tests (module-level so that spawned ranks can import them).
+
+`conformance` runs the same checks for any transport kind; the GPU tests call it for cuda_ipc (several
+processes on one GPU, or one GPU each when there are several) and nvshmem (one PE, loopback).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from odc_plugin.comm import ODCTimeoutError, make_transport
+
+N = 1 << 16  # accumulator elements
+ROUNDS = 20
+
+
+def make_on_cpu(rank, world_size):
+    out = {"auto": type(make_transport("auto")).__name__}
+    for kind, opts in (("cuda_ipc", {}), ("nvshmem", {}), ("shm_options", {"staging": None})):
+        try:
+            make_transport(kind.split("_options")[0], **opts)
+            out[kind] = "no error"
+        except (RuntimeError, TypeError) as e:
+            out[kind] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _use_gpu(rank):
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
+def _single_node_nvshmem_env():
+    # One node: no network transport, bootstrap over loopback.
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+
+
+def conformance(rank, world_size, kind, options):
+    _use_gpu(rank)
+    if kind == "nvshmem":
+        _single_node_nvshmem_env()
+    t = make_transport(kind, **options)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    params = t.alloc("params", 4096 + 13, torch.uint8)
+    acc = t.alloc("acc", N, torch.float32)
+    acc2 = t.alloc("acc2", 100, torch.float32)  # a second accumulator: slots name their region
+    flag = t.alloc("flag", 1, torch.int64)
+    pattern = lambda r: ((torch.arange(params.numel, device=dev) + 7 * r) % 251).to(torch.uint8)
+    params.local.copy_(pattern(rank))
+    t.signal(flag, 0, 1)
+
+    # Gets on a side stream, as from FSDP's all-gather stream.
+    ag = torch.cuda.Stream(dev)
+    pulled = []
+    with torch.cuda.stream(ag):
+        for k in range(world_size):
+            peer = (rank + k) % world_size
+            t.wait_at_least(flag, peer, 0, 1, 60.0, "publish")
+            out = torch.empty(4000, dtype=torch.uint8, device=dev)
+            t.get(params, peer, 13, out)
+            pulled.append((peer, out))
+    ag.synchronize()
+    gets_ok = all(torch.equal(out.cpu(), pattern(peer)[13:4013].cpu()) for peer, out in pulled)
+
+    # Every rank adds into every owner at once (so each owner has world_size concurrent writers), in
+    # fp32 over the whole region and in bf16 at an offset, on a side stream as FSDP's reduce-scatter.
+    rs = torch.cuda.Stream(dev)
+    ones = torch.ones(N, device=dev)
+    with torch.cuda.stream(rs):
+        for _ in range(ROUNDS):
+            for k in range(world_size):
+                peer = (rank + k) % world_size
+                t.accumulate(acc, peer, 0, ones * (rank + 1))
+                t.accumulate(acc, peer, 5, (ones[5:] * (rank + 1)).to(torch.bfloat16))
+                t.accumulate(acc2, peer, 10, ones[:50])
+    t.barrier(60.0)  # no explicit synchronize: the barrier must make every accumulate visible
+    total = ROUNDS * sum(r + 1 for r in range(world_size))
+    want = torch.full((N,), 2.0 * total)
+    want[:5] = total
+    want2 = torch.zeros(100)
+    want2[10:60] = ROUNDS * world_size
+    first = torch.equal(acc.local.cpu(), want) and torch.equal(acc2.local.cpu(), want2)
+
+    # A second mini-batch, as the FSDP layer runs it: zero, publish, peers wait for the flag, add, meet.
+    acc.local.zero_()
+    t.signal(flag, 0, 2)
+    with torch.cuda.stream(rs):
+        for k in range(world_size):
+            peer = (rank + k) % world_size
+            t.wait_at_least(flag, peer, 0, 2, 60.0, "second publish")
+            t.accumulate(acc, peer, 0, ones[:1000] * (rank + 1))
+    t.barrier(60.0)
+    second = acc.local[:1000].cpu().eq(sum(r + 1 for r in range(world_size))).all().item() and \
+        acc.local[1000:].cpu().eq(0).all().item()
+    t.close()
+    return {"gets": gets_ok, "first": first, "second": second}
+
+
+def late_rank(rank, world_size, kind, late):
+    _use_gpu(rank)
+    t = make_transport(kind)
+    if rank == late:
+        return "skipped the barrier"
+    try:
+        t.barrier(1.0)
+    except ODCTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def heap_too_small(rank, world_size):
+    _use_gpu(rank)
+    _single_node_nvshmem_env()
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = "256M"
+    t = make_transport("nvshmem")
+    try:
+        t.alloc("odc.grads", 512 << 20, torch.uint8)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        t.close()
+    return "no error"
