@@ -32,9 +32,22 @@ MODEL_SIZES = {
 }
 
 
+_PACKED_ATTENTION = "odc_packed_causal"
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_PACKED_ATTENTION, packed_causal_attention)
+    # The attention builds its own per-sequence causal structure: no mask needed.
+    AttentionMaskInterface.register(_PACKED_ATTENTION, lambda *args, **kwargs: None)
+
+
 def qwen2_config(size: str | ModelSize = "tiny", tie_word_embeddings: bool = True):
     from transformers import Qwen2Config
 
+    _register_packed_attention()
     if isinstance(size, str):
         if size not in MODEL_SIZES:
             raise ValueError(f"unknown model size '{size}'; expected one of {', '.join(MODEL_SIZES)}")
@@ -43,7 +56,7 @@ def qwen2_config(size: str | ModelSize = "tiny", tie_word_embeddings: bool = Tru
         **size.__dict__,
         max_position_embeddings=32768,
         tie_word_embeddings=tie_word_embeddings,
-        attn_implementation="sdpa",
+        attn_implementation=_PACKED_ATTENTION,
         torch_dtype="float32",
     )
 
@@ -65,27 +78,45 @@ def shard_qwen2(model: nn.Module, mesh: DeviceMesh | None = None, mp_policy: Mix
     return model
 
 
-def pad_batch(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D token sequences into (input_ids, attention_mask)."""
-    longest = max(len(s) for s in seqs)
-    input_ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    return input_ids, mask
+def packed_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            position_ids=None, **kwargs):
+    """Causal attention over sequences packed into one row, each attending only to itself.
+
+    verl trains padding-free: a micro-batch is its sequences concatenated, with position ids restarting
+    at every sequence, and varlen flash attention keeps them apart. This is the same on CPU, so that
+    compute follows the real tokens (linear in them, quadratic per sequence) as it does on a GPU.
+    """
+    length = query.shape[2]
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [length]
+    repeat = query.shape[1] // key.shape[1]
+    outs = []
+    for a, b in zip(starts[:-1], starts[1:]):
+        k = key[:, :, a:b].repeat_interleave(repeat, dim=1)
+        v = value[:, :, a:b].repeat_interleave(repeat, dim=1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True,
+                                                                      scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2), None
 
 
-def next_token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t) for every position, shape (batch, length - 1); padding gives junk."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+def pack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate 1-D token sequences into one row: (input_ids, position_ids), each (1, total)."""
+    input_ids = torch.cat(seqs)[None]
+    position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    return input_ids, position_ids
+
+
+def next_token_logprobs(model: nn.Module, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per sequence, log p(token t+1 | tokens <= t) for t = 0 .. len-2, from one packed forward."""
+    input_ids, position_ids = pack(seqs)
+    logits = model(input_ids=input_ids, position_ids=position_ids).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1)
+    bounds = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).tolist()
+    # position b-1 predicts the next sequence's first token: drop it
+    return [logp[a : b - 1] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def token_mean_loss(model: nn.Module, seqs: list[torch.Tensor], global_tokens: int, world_size: int) -> torch.Tensor:
     """Next-token loss of one micro-batch, normalized as verl does: summed over this micro-batch's
     tokens, divided by the token count of the whole mini-batch (all ranks) and multiplied by the
     data-parallel size, which FSDP's mean over ranks divides out again."""
-    ids, mask = pad_batch(seqs)
-    logp = next_token_logprobs(model, ids, mask)
-    return -(logp * mask[:, 1:]).sum() / global_tokens * world_size
+    return -torch.cat(next_token_logprobs(model, seqs)).sum() / global_tokens * world_size
