@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
@@ -159,8 +160,6 @@ class OnDemandComm:
 
     def wait_published(self, peer: int) -> None:
         """Block until `peer` has published this mini-batch's shards (once per peer per mini-batch)."""
-        if not self.in_minibatch:
-            raise RuntimeError("ODC communication outside a mini-batch: run forward/backward inside begin()/end()")
         if peer not in self._ready_peers:
             self.transport.wait_at_least(
                 self.published, peer, 0, self.epoch, self.config.barrier_timeout_s, f"mini-batch {self.epoch} shards"
@@ -188,6 +187,9 @@ class _OnDemandAllGather(_BufferAlloc, AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         odc, layout = self.odc, self.layout
+        if not odc.in_minibatch:
+            # Outside a mini-batch (evaluation, a stray forward) every rank takes part, as in stock FSDP2.
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
         chunks = output_tensor.view(odc.world_size, -1)
         if chunks[0].numel() * chunks.element_size() != layout.param_nbytes:
             raise RuntimeError("FSDP's all-gather layout changed after apply_odc(); call apply_odc() again")
@@ -205,8 +207,12 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         odc, layout = self.odc, self.layout
-        if op != torch.distributed.ReduceOp.SUM:
+        if op != dist.ReduceOp.SUM:
             raise RuntimeError(f"ODC expects FSDP to hand it a SUM reduce-scatter, got {op}")
+        if not odc.in_minibatch:
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            output_tensor.div_(odc.divide_factor)  # FSDP was told to divide nothing itself
+            return None
         chunks = input_tensor.view(odc.world_size, -1)
         for peer in [odc.rank, *odc.peers()]:
             odc.wait_published(peer)

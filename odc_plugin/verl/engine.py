@@ -1,0 +1,121 @@
+"""The `odc` backend: verl's FSDP2 engines with ODC in place of FSDP's per-layer collectives.
+
+Model building, offload, checkpointing, weight export and the optimizer step are verl's FSDP2 engine,
+unchanged. What differs is one mini-batch (`forward_backward_batch`, used by training and by
+log-prob / value inference alike):
+
+- the global token count for loss normalization is still summed over ranks, once, before the mini-batch;
+- each rank packs its own micro-batches with no cross-rank agreement on their number
+  (verl's `same_micro_num_in_dp=True` is exactly the lockstep ODC removes);
+- the micro-batches run between ODC's begin() and end(), so no collective runs inside;
+- per-micro-batch metrics are folded to one value per rank, since ranks now run different counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
+from verl.utils.metric import Metric
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+from ..comm import make_transport
+from ..fsdp import ODCConfig, apply_odc
+from .config import as_odc_config
+
+
+@contextlib.contextmanager
+def _built_as_fsdp2(engine_config):
+    """Let verl's own FSDP2 branch build the module: ODC starts from exactly what `fsdp2` builds."""
+    # verl's configs are frozen dataclasses; verl itself sets `strategy` this way in its role configs.
+    object.__setattr__(engine_config, "strategy", "fsdp2")
+    try:
+        yield
+    finally:
+        object.__setattr__(engine_config, "strategy", "odc")
+
+
+class _ODCEngineMixin:
+    """Overrides shared by the language-model (actor, ref) and value-model (critic) engines."""
+
+    def _build_fsdp_module(self, module):
+        odc_config = as_odc_config(self.engine_config)
+        if self.device_mesh.ndim != 1:
+            raise ValueError(f"strategy odc shards over all ranks; got a {self.device_mesh.ndim}-D mesh "
+                             f"(fsdp_size={self.engine_config.fsdp_size}): set fsdp_size=-1")
+        with _built_as_fsdp2(self.engine_config):
+            module = super()._build_fsdp_module(module)
+        transport = make_transport(odc_config.odc_transport, group=self.device_mesh.get_group())
+        self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
+        return module
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+
+        # The one collective of a mini-batch, before it starts: the loss divides by the token count of
+        # the whole mini-batch, so the update does not depend on how samples are spread over ranks.
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
+
+        micro_batches, indices = prepare_micro_batches(data=data, same_micro_num_in_dp=False)
+        scaler = getattr(self, "scaler", None)
+        outputs = []
+        self.odc.begin(backward=not forward_only)
+        for i, micro_batch in enumerate(micro_batches):
+            sync = nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=i == len(micro_batches) - 1)
+            with torch.no_grad() if forward_only else nullcontext(), sync:
+                loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+                if not forward_only:
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    if not return_model_output:
+                        meta.pop("model_output", None)  # keeping every micro-batch's logits would pile up
+            outputs.append(meta)
+        stats = self.odc.end()
+
+        output = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+        _one_value_per_rank(output["metrics"])
+        output["metrics"].update(self._odc_metrics(stats, len(micro_batches)))
+        return output
+
+    def _odc_metrics(self, stats, num_micro_batches: int) -> dict[str, float]:
+        """Compute and barrier-wait time over ranks (a collective, after the mini-batch has ended)."""
+        mine = torch.tensor([stats.compute_s, stats.wait_s, float(num_micro_batches)], dtype=torch.float64,
+                            device=get_device_id())
+        every = [torch.empty_like(mine) for _ in range(self.get_data_parallel_size())]
+        dist.all_gather(every, mine, group=self.get_data_parallel_group())
+        compute, wait, micro = torch.stack(every).cpu().unbind(1)
+        return {
+            "odc/compute_s_mean": compute.mean().item(),
+            "odc/compute_s_max": compute.max().item(),
+            "odc/wait_s_mean": wait.mean().item(),
+            "odc/wait_s_max": wait.max().item(),
+            # 1.0 means perfectly balanced compute; the slowest rank sets the mini-batch's time
+            "odc/compute_imbalance": (compute.max() / compute.mean().clamp_min(1e-9)).item(),
+            "odc/micro_batches_min": micro.min().item(),
+            "odc/micro_batches_max": micro.max().item(),
+        }
+
+
+def _one_value_per_rank(metrics: dict) -> None:
+    """verl aggregates a Metric over ranks position by position and rejects ranks with different
+    numbers of micro-batch values; fold each rank's values first (exact for sum, min and max)."""
+    for key, value in metrics.items():
+        if isinstance(value, Metric) and len(value.values) > 1:
+            folded = value.init_list()
+            folded.append(value.aggregate())
+            metrics[key] = folded
+
+
+class ODCEngineWithLMHead(_ODCEngineMixin, FSDPEngineWithLMHead):
+    """Actor and reference model."""
+
+
+class ODCEngineWithValueHead(_ODCEngineMixin, FSDPEngineWithValueHead):
+    """Critic."""

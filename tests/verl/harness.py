@@ -1,0 +1,869 @@
+"""CPU harness that drives verl 0.9.1's own training engines on gloo ranks.
+
+Everything here runs the code path main_ppo uses in 0.9.1 (the "engine workers"):
+``verl.workers.engine_workers.TrainingWorker`` built from the same dataclass configs
+``ActorRolloutRefWorker.init_model`` / ``PPOTrainer._setup`` build, then
+
+* actor update   -> ``TrainingWorker.train_mini_batch`` (what ``ActorRolloutRefWorker.update_actor`` calls)
+* old log-probs  -> ``TrainingWorker.infer_batch``      (what ``ActorRolloutRefWorker.compute_log_prob`` calls)
+* critic update  -> ``TrainingWorker.train_mini_batch`` (what ``critic_wg.train_mini_batch`` calls)
+* values         -> ``TrainingWorker.infer_batch``      (what ``critic_wg.infer_batch`` calls)
+
+with the loss functions verl uses (``verl.workers.utils.losses.ppo_loss`` / ``value_loss``).
+Ray, TransferQueue and rollout are not involved: the worker methods are called directly in
+each rank (the ``@register`` wrappers pass plain TensorDicts straight through).
+
+CPU shims (all applied inside the rank processes by :func:`setup_verl_for_cpu`):
+
+* a ``cpu`` verl platform (verl has none; it would fall back to "nvidia"/cuda), installed
+  before ``verl.workers.engine`` is imported because that package reads the device name at import;
+* the stock FSDP engines registered for device ``cpu`` (verl registers them for cuda/npu only);
+* ``verl.utils.model.load_valuehead_model`` replaced by a loader that honours the config's
+  attention implementation (the stock one hard-codes ``flash_attention_2``, unusable on CPU).
+
+Typical use (functions passed to :func:`run_on_ranks` must be module-level, i.e. importable)::
+
+    from tests.verl import harness as H
+
+    def body(rank, world_size, model_dir):
+        actor = H.build_engine("language_model", "fsdp2", model_dir)
+        batch = H.make_grpo_batch(seed=0, batch_size=8, world_size=world_size, rank=rank)
+        metrics = H.actor_update(actor, batch)
+        return H.full_state_dict(actor)
+
+    model_dir = H.make_tiny_qwen2(tmp_dir)
+    states = H.run_on_ranks(body, 2, model_dir)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+
+# Defaults of the tiny model (a Qwen2 causal LM, fp32).
+TINY_QWEN2 = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+ATTN_IMPL = "sdpa"
+PAD_TOKEN_ID = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# process launcher
+# ---------------------------------------------------------------------------------------------
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message carries its traceback or exit code."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(fn, rank, world_size, port, out_dir, args, kwargs, pg_timeout_s, setup, plugin_modules):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        if setup:
+            setup_verl_for_cpu(plugin_modules=plugin_modules)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        if isinstance(fn, tuple):  # (module, qualname): imported only now, after the CPU setup
+            import importlib
+
+            obj = importlib.import_module(fn[0])
+            for part in fn[1].split("."):
+                obj = getattr(obj, part)
+            fn = obj
+        result = fn(rank, world_size, *args, **kwargs)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the parent with the traceback
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, path)
+        os._exit(1)
+    # Do not tear the group down: waiting in destroy_process_group for a dead peer could hang.
+    os._exit(0)
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args,
+    timeout_s: float = 600.0,
+    pg_timeout_s: float = 300.0,
+    failure_grace_s: float = 20.0,
+    setup: bool = True,
+    plugin_modules: Sequence[str] = (),
+    **kwargs,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned gloo processes.
+
+    Each process uses one thread, gets RANK/WORLD_SIZE/MASTER_* env vars, runs
+    :func:`setup_verl_for_cpu` (unless ``setup=False``; ``plugin_modules`` are imported
+    after it, e.g. ``["odc_plugin.verl.plugin"]``) and ``init_process_group("gloo")``
+    before calling ``fn``. Like any spawn launcher, a calling script needs an
+    ``if __name__ == "__main__":`` guard. Results come back through ``torch.save`` files, so ``fn`` may
+    return tensors, dicts of tensors, etc. Returns the list of per-rank results.
+    Raises :class:`RankFailed` (with the rank's traceback) if any rank fails; on a failure
+    the remaining ranks get ``failure_grace_s`` to finish and are then killed.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    # Send module-level functions by name so their module (which may import verl or a plugin at
+    # top level) is imported in the child only after setup_verl_for_cpu().
+    fn_ref = fn
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<locals>" not in qualname:
+        fn_ref = (module, qualname)
+    with tempfile.TemporaryDirectory(prefix="verl-harness-") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_rank_entry,
+                args=(fn_ref, r, world_size, port, out_dir, args, kwargs, pg_timeout_s, setup, tuple(plugin_modules)),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    deadline = min(deadline, time.monotonic() + failure_grace_s)
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if os.path.exists(path):
+                results.append(torch.load(path, weights_only=False))
+            else:
+                why = "was killed at the time limit" if p.exitcode == -9 else f"exited with code {p.exitcode}"
+                results.append({"ok": False, "error": f"{why} and left no result", "traceback": ""})
+        failed = [(r, res) for r, res in enumerate(results) if not res["ok"]]
+        if failed:
+            r, res = failed[0]
+            others = "; ".join(f"rank {q}: {e['error']}" for q, e in failed[1:])
+            raise RankFailed(
+                f"rank {r} failed: {res['error']}" + (f" (also {others})" if others else "") + f"\n{res['traceback']}"
+            )
+        return [res["result"] for res in results]
+
+
+# ---------------------------------------------------------------------------------------------
+# verl on CPU
+# ---------------------------------------------------------------------------------------------
+
+_SETUP_DONE = False
+
+
+def _noop(*_a, **_k):
+    return None
+
+
+def _zero(*_a, **_k):
+    return 0
+
+
+def install_cpu_platform() -> None:
+    """Make verl's platform layer report device "cpu" / backend "gloo".
+
+    Must run before anything calls ``verl.plugin.platform.get_platform()`` (importing
+    ``verl.workers.engine`` does, via ``transformer_impl.device_name``).
+    """
+    from types import ModuleType
+
+    from verl.plugin.platform import (
+        PlatformBase,
+        PlatformRegistry,
+        get_platform,
+        set_platform,
+    )
+    from verl.plugin.platform import platform_manager as _pm
+
+    cpu_mod = torch.cpu
+    # verl calls these on get_torch_device(); torch.cpu lacks them. verl compares the module
+    # with `torch.cpu` (flops_counter, profiler/performance), so it must be torch.cpu itself.
+    for name, fn in {
+        "empty_cache": _noop,
+        "max_memory_allocated": _zero,
+        "max_memory_reserved": _zero,
+        "memory_allocated": _zero,
+        "memory_reserved": _zero,
+        "reset_peak_memory_stats": _noop,
+        "manual_seed": _noop,
+        "manual_seed_all": _noop,
+        "mem_get_info": lambda *_a, **_k: (0, 0),
+        # checkpoints save and restore the device RNG; on CPU that is torch's own generator
+        "get_rng_state": torch.get_rng_state,
+        "set_rng_state": torch.set_rng_state,
+    }.items():
+        if not hasattr(cpu_mod, name):
+            setattr(cpu_mod, name, fn)
+
+    if PlatformRegistry.get("cpu") is None:
+
+        @PlatformRegistry.register(platform="cpu")
+        class PlatformCPU(PlatformBase):
+            """CPU/gloo platform for tests."""
+
+            @property
+            def device_name(self) -> str:
+                return "cpu"
+
+            @property
+            def vendor_name(self) -> str:
+                return "cpu"
+
+            @property
+            def device_module(self) -> ModuleType:
+                return torch.cpu
+
+            def is_available(self) -> bool:
+                return True
+
+            def is_platform_available(self, use_smi_check=False) -> bool:
+                return False  # never auto-detected; installed explicitly with set_platform()
+
+            def current_device(self):
+                return "cpu"
+
+            def device_count(self) -> int:
+                return 1
+
+            def set_device(self, device_index) -> None:
+                return None
+
+            def synchronize(self, device_index=None) -> None:
+                return None
+
+            def manual_seed(self, seed: int) -> None:
+                torch.manual_seed(seed)
+
+            def manual_seed_all(self, seed: int) -> None:
+                torch.manual_seed(seed)
+
+            def set_allocator_settings(self, settings: str) -> None:
+                return None
+
+            def empty_cache(self) -> None:
+                return None
+
+            def get_device_capability(self, device_index: int = 0):
+                return None, None
+
+            def communication_backend_name(self) -> str:
+                return "gloo"
+
+            def visible_devices_envvar(self) -> str:
+                return "CUDA_VISIBLE_DEVICES"
+
+            @contextlib.contextmanager
+            def nvtx_range(self, msg: str):
+                yield
+
+            def profiler_start(self) -> None:
+                return None
+
+            def profiler_stop(self) -> None:
+                return None
+
+            def ray_resource_name(self) -> str:
+                return "CPU"
+
+            def ray_noset_envvars(self) -> list[str]:
+                return []
+
+            def is_ipc_supported(self) -> bool:
+                return False
+
+            def cudart(self):
+                return None
+
+    current = _pm._current_platform
+    if current is None or current.device_name != "cpu":
+        set_platform(PlatformRegistry.get("cpu")())
+    assert get_platform().device_name == "cpu"
+
+
+def register_engine_for_cpu(model_type: str, backend: str | Sequence[str], engine_cls: type) -> None:
+    """Register ``engine_cls`` in verl's EngineRegistry for device "cpu" (idempotent)."""
+    from verl.workers.engine import EngineRegistry
+
+    backends = [backend] if isinstance(backend, str) else list(backend)
+    for b in backends:
+        if "cpu" in EngineRegistry._engines.get(model_type, {}).get(b, {}):
+            continue
+        EngineRegistry.register(model_type=model_type, backend=b, device="cpu")(engine_cls)
+
+
+def _cpu_valuehead_loader(local_path, torch_dtype, model_config, trust_remote_code):
+    """CPU stand-in for verl.utils.model.load_valuehead_model (no forced flash_attention_2)."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        pretrained_model_name_or_path=local_path,
+        torch_dtype=torch_dtype,
+        config=model_config,
+        attn_implementation=getattr(model_config, "_attn_implementation", None) or ATTN_IMPL,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+PLUGIN_ERRORS: dict[str, str] = {}
+
+
+def load_verl_plugins(plugin_modules: Sequence[str] = (), entry_points: bool = True) -> list[str]:
+    """Load verl plugins after the CPU platform is in place.
+
+    Mirrors ``verl/__init__.py``: each installed ``verl.plugins`` entry point is ``.load()``-ed
+    (imported and its attribute resolved), NOT called. verl hides load errors (DEBUG log);
+    here they are recorded in ``PLUGIN_ERRORS`` and warned about, or raised when
+    ``VERL_HARNESS_STRICT_PLUGINS=1``. ``plugin_modules`` are imported in addition and their
+    errors always propagate. Returns the names loaded.
+    """
+    import importlib
+    import warnings
+    from importlib.metadata import entry_points as _entry_points
+
+    strict = os.environ.get("VERL_HARNESS_STRICT_PLUGINS", "0") == "1"
+    loaded = []
+    if entry_points:
+        for ep in _entry_points(group="verl.plugins"):
+            try:
+                ep.load()
+                loaded.append(ep.name)
+            except Exception as e:
+                if strict:
+                    raise
+                PLUGIN_ERRORS[ep.name] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"verl plugin entry point {ep.name!r} failed to load: {e!r}", stacklevel=2)
+    for mod in plugin_modules:
+        importlib.import_module(mod)
+        loaded.append(mod)
+    return loaded
+
+
+def setup_verl_for_cpu(plugin_modules: Sequence[str] = (), entry_points: bool = True) -> None:
+    """Install the CPU platform, register the stock FSDP engines for "cpu", patch the value-head loader.
+
+    ``import verl`` loads every installed ``verl.plugins`` entry point; a plugin that imports
+    ``verl.workers.engine`` at import time would fix the device to "cuda" before the CPU
+    platform exists. So verl is first imported with ``VERL_USE_EXTERNAL_PLUGINS=none`` and the
+    plugins are loaded afterwards by :func:`load_verl_plugins` (which reports their errors).
+    Must run before anything else imports verl in this process.
+    """
+    global _SETUP_DONE
+    if _SETUP_DONE:
+        return
+    saved = os.environ.get("VERL_USE_EXTERNAL_PLUGINS")
+    os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
+    try:
+        install_cpu_platform()
+    finally:
+        if saved is None:
+            os.environ.pop("VERL_USE_EXTERNAL_PLUGINS", None)
+        else:
+            os.environ["VERL_USE_EXTERNAL_PLUGINS"] = saved
+    import verl.utils.model as verl_model_utils
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+    from verl.workers.engine.fsdp.transformer_impl import (
+        FSDPEngineWithLMHead,
+        FSDPEngineWithValueHead,
+    )
+
+    # Forward-only (reference) engines offload parameters with pinned memory, which needs an accelerator.
+    cpu_offload = fsdp_impl.CPUOffloadPolicy
+    fsdp_impl.CPUOffloadPolicy = lambda pin_memory=True: cpu_offload(pin_memory=False)
+    register_engine_for_cpu("language_model", ["fsdp", "fsdp2"], FSDPEngineWithLMHead)
+    register_engine_for_cpu("value_model", ["fsdp", "fsdp2"], FSDPEngineWithValueHead)
+    verl_model_utils.load_valuehead_model = _cpu_valuehead_loader
+    load_verl_plugins(plugin_modules, entry_points=entry_points)
+    _SETUP_DONE = True
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny model
+# ---------------------------------------------------------------------------------------------
+
+
+def make_tiny_qwen2(out_dir: str, seed: int = 0, **overrides) -> str:
+    """Build a random tiny fp32 Qwen2ForCausalLM and ``save_pretrained`` it under ``out_dir``.
+
+    No tokenizer is written: the harness builds ``HFModelConfig(load_tokenizer=False)``.
+    Returns the model directory.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg_kwargs = {**TINY_QWEN2, **overrides}
+    config = Qwen2Config(
+        **cfg_kwargs,
+        architectures=["Qwen2ForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    path = os.path.join(out_dir, "tiny_qwen2")
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf_model(model_dir: str, model_type: str = "language_model"):
+    """Plain single-process HF model in fp32 (reference for comparisons)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if model_type == "language_model":
+        return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation=ATTN_IMPL)
+    return AutoModelForTokenClassification.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation=ATTN_IMPL, num_labels=1
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# engines (TrainingWorker, as main_ppo builds them)
+# ---------------------------------------------------------------------------------------------
+
+
+def _engine_config(engine_config_cls, strategy, forward_only, engine_kwargs):
+    """Build the engine config the way verl's role configs do.
+
+    ``FSDPActorConfig/FSDPCriticConfig.__post_init__`` copy the role's ``strategy`` onto the
+    already-validated ``FSDPEngineConfig`` with ``object.__setattr__``, so an unknown strategy
+    (e.g. "odc") reaches the engine without tripping ``FSDPEngineConfig.__post_init__``.
+    We mimic that for strategies the config class does not accept.
+    """
+    from verl.workers.config import FSDPEngineConfig
+
+    cls = engine_config_cls or FSDPEngineConfig
+    kw = {
+        "strategy": strategy,
+        "forward_only": forward_only,
+        "use_torch_compile": False,  # inductor on CPU is slow and irrelevant here
+        "model_dtype": "fp32",
+        "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        "use_no_sync_for_gradient_accumulation": False,  # the yaml default (engine/fsdp.yaml)
+    }
+    kw.update(engine_kwargs or {})
+    try:
+        return cls(**kw)
+    except AssertionError:
+        kw["strategy"] = "fsdp2"
+        cfg = cls(**kw)
+        object.__setattr__(cfg, "strategy", strategy)
+        return cfg
+
+
+def build_engine(
+    model_type: str,
+    strategy: str,
+    model_dir: str,
+    *,
+    lr: float = 1e-3,
+    clip_grad: float = 1.0,
+    use_dynamic_bsz: bool = True,
+    max_token_len_per_gpu: int = 128,
+    infer_max_token_len_per_gpu: int | None = None,
+    micro_batch_size_per_gpu: int = 2,
+    forward_only: bool = False,
+    engine_config_cls: type | None = None,
+    engine_kwargs: dict | None = None,
+    optim_kwargs: dict | None = None,
+    role_kwargs: dict | None = None,
+    use_remove_padding: bool = True,
+    enable_gradient_checkpointing: bool = False,
+    seed: int = 0,
+):
+    """Build and initialise a verl ``TrainingWorker`` for ``model_type`` with backend ``strategy``.
+
+    Must run inside a rank process (see :func:`run_on_ranks`). Returns the TrainingWorker;
+    ``worker.engine`` is the engine instance (``EngineRegistry.new(model_type, strategy, ...)``),
+    ``worker.loss_fn`` is ``partial(ppo_loss, config=FSDPActorConfig)`` (language_model) or
+    ``partial(value_loss, config=FSDPCriticConfig)`` (value_model), and ``worker.role_config``
+    is that role config. A backend other than fsdp/fsdp2 must already be registered in
+    ``EngineRegistry`` for device "cpu" (see :func:`register_engine_for_cpu`).
+
+    Differences from main_ppo's yaml defaults, for CPU speed/exactness: fp32 params and reduce
+    (``mixed_precision``), ``use_torch_compile=False``, gradient checkpointing off, sdpa attention.
+    ``use_no_sync_for_gradient_accumulation=False`` as in ``engine/fsdp.yaml`` (the dataclass says True).
+
+    ``engine_config_cls`` overrides the engine config dataclass (default ``FSDPEngineConfig``);
+    ``engine_kwargs``/``optim_kwargs``/``role_kwargs`` are passed to the engine config,
+    ``FSDPOptimizerConfig`` and the role config (``FSDPActorConfig``/``FSDPCriticConfig``).
+    """
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (
+        FSDPActorConfig,
+        FSDPCriticConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+    )
+    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
+    from verl.workers.utils.losses import ppo_loss, value_loss
+
+    assert model_type in ("language_model", "value_model"), model_type
+    torch.manual_seed(seed)
+    infer_max = infer_max_token_len_per_gpu or max_token_len_per_gpu
+
+    model_config = HFModelConfig(
+        path=model_dir,
+        load_tokenizer=False,
+        use_remove_padding=use_remove_padding,
+        enable_gradient_checkpointing=enable_gradient_checkpointing,
+        override_config={"attn_implementation": ATTN_IMPL},
+    )
+    engine_cfg = _engine_config(engine_config_cls, strategy, forward_only, engine_kwargs)
+    optim_cfg = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, **(optim_kwargs or {}))
+
+    rk = dict(role_kwargs or {})
+    if model_type == "language_model":
+        role_cfg = FSDPActorConfig(
+            strategy=strategy,
+            rollout_n=rk.pop("rollout_n", 1),
+            ppo_mini_batch_size=rk.pop("ppo_mini_batch_size", 1),
+            use_dynamic_bsz=use_dynamic_bsz,
+            ppo_max_token_len_per_gpu=max_token_len_per_gpu,
+            ppo_micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+            use_torch_compile=False,
+            fsdp_config=engine_cfg,
+            optim=optim_cfg,
+            **rk,
+        )
+    else:
+        role_cfg = FSDPCriticConfig(
+            strategy=strategy,
+            rollout_n=rk.pop("rollout_n", 1),
+            ppo_mini_batch_size=rk.pop("ppo_mini_batch_size", 1),
+            use_dynamic_bsz=use_dynamic_bsz,
+            ppo_max_token_len_per_gpu=max_token_len_per_gpu,
+            ppo_micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+            fsdp=engine_cfg,
+            optim=optim_cfg,
+            model=model_config,
+            **rk,
+        )
+    engine_cfg = role_cfg.engine  # same object; its strategy now equals the role strategy
+
+    # What ActorRolloutRefWorker.init_model / PPOTrainer._setup assign before building the worker.
+    engine_cfg.use_dynamic_bsz = use_dynamic_bsz
+    engine_cfg.max_token_len_per_gpu = max_token_len_per_gpu
+    engine_cfg.infer_max_token_len_per_gpu = infer_max
+    engine_cfg.micro_batch_size_per_gpu = micro_batch_size_per_gpu
+    engine_cfg.infer_micro_batch_size_per_gpu = micro_batch_size_per_gpu
+    engine_cfg.use_remove_padding = use_remove_padding
+
+    worker = TrainingWorker(
+        config=TrainingWorkerConfig(
+            model_type=model_type,
+            model_config=model_config,
+            engine_config=engine_cfg,
+            optimizer_config=optim_cfg,
+            checkpoint_config=CheckpointConfig(),
+        )
+    )
+    worker.reset()  # -> engine.initialize()
+    if not forward_only:
+        loss = ppo_loss if model_type == "language_model" else value_loss
+        worker.set_loss_fn(partial(loss, config=role_cfg))
+    worker.role_config = role_cfg
+    return worker
+
+
+build_worker = build_engine  # alias: build_engine returns the TrainingWorker that owns the engine
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic GRPO batches
+# ---------------------------------------------------------------------------------------------
+
+
+def make_grpo_samples(
+    seed: int,
+    batch_size: int,
+    *,
+    group_size: int = 4,
+    prompt_len: tuple[int, int] = (4, 12),
+    response_len: tuple[int, int] = (2, 40),
+    vocab_size: int = TINY_QWEN2["vocab_size"],
+) -> list[dict[str, torch.Tensor]]:
+    """Per-sample dicts in the v1 (TransferQueue) layout: every field is 1-D, variable length.
+
+    Fields: prompts, responses, input_ids, attention_mask, position_ids, response_mask,
+    loss_mask, old_log_probs, advantages (GRPO: per-group normalized scalar reward broadcast
+    over the response), values, returns. ``uid`` groups consecutive ``group_size`` samples.
+    Response lengths are drawn uniformly from ``response_len`` so they are uneven.
+    """
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    rewards = torch.randn(batch_size, generator=g)
+    for start in range(0, batch_size, group_size):
+        grp = rewards[start : start + group_size]
+        norm = (grp - grp.mean()) / (grp.std(unbiased=True) + 1e-6) if len(grp) > 1 else grp * 0
+        rewards[start : start + group_size] = norm
+    for i in range(batch_size):
+        pl = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=g))
+        rl = int(torch.randint(response_len[0], response_len[1] + 1, (1,), generator=g))
+        prompts = torch.randint(3, vocab_size, (pl,), generator=g)
+        responses = torch.randint(3, vocab_size, (rl,), generator=g)
+        input_ids = torch.cat([prompts, responses])
+        resp_mask = torch.ones(rl, dtype=torch.int64)
+        if rl > 3 and i % 3 == 0:  # some masked-out tail tokens, like tool/obs tokens
+            resp_mask[-2:] = 0
+        samples.append(
+            {
+                "prompts": prompts,
+                "responses": responses,
+                "input_ids": input_ids,
+                "attention_mask": torch.ones_like(input_ids),
+                "position_ids": torch.arange(pl + rl),
+                "response_mask": resp_mask,
+                "loss_mask": resp_mask.clone(),
+                "old_log_probs": -3.0 - torch.rand(rl, generator=g),
+                "advantages": torch.full((rl,), float(rewards[i])),
+                "values": 0.1 * torch.randn(rl, generator=g),
+                "returns": torch.full((rl,), float(rewards[i])) + 0.1 * torch.randn(rl, generator=g),
+            }
+        )
+    return samples
+
+
+def samples_to_tensordict(samples: list[dict], non_tensor: dict | None = None):
+    """Stack per-sample dicts like the v1 trainer does (``list_of_dict_to_tensordict`` -> jagged nested)."""
+    from verl.utils import tensordict_utils as tu
+
+    td = tu.list_of_dict_to_tensordict(samples)
+    if non_tensor:
+        tu.assign_non_tensor(td, **non_tensor)
+    return td
+
+
+def shard_for_rank(items: Sequence, rank: int, world_size: int) -> list:
+    """Contiguous equal split, as verl's dispatch (``chunk``) does after ``_balance_batch``."""
+    n = len(items)
+    assert n % world_size == 0, f"{n} samples do not split evenly over {world_size} ranks"
+    k = n // world_size
+    return list(items[rank * k : (rank + 1) * k])
+
+
+def make_grpo_batch(
+    seed: int,
+    batch_size: int,
+    *,
+    world_size: int = 1,
+    rank: int = 0,
+    indices: Sequence[int] | None = None,
+    mini_batch_size: int | None = None,
+    temperature: float = 1.0,
+    max_token_len_per_gpu: int | None = None,
+    micro_batch_size_per_gpu: int | None = None,
+    **sample_kwargs,
+):
+    """A synthetic GRPO actor/critic batch as the worker on ``rank`` receives it (v1 layout).
+
+    The global batch (``batch_size`` samples from :func:`make_grpo_samples`) is the same on
+    every rank for a given seed; this rank gets ``indices`` if given (e.g. an uneven LB-Mini
+    share), else its contiguous ``1/world_size`` share. Non-tensor fields are those the v1
+    trainer puts in ``extra_info`` for ``update_actor``: ``temperature``, ``global_batch_size``
+    and ``mini_batch_size`` (global, = ppo_mini_batch_size * rollout.n; default whole batch),
+    ``epochs``, ``seed``, ``dataloader_kwargs``. ``use_dynamic_bsz``/``max_token_len_per_gpu``
+    are added only if given (otherwise TrainingWorker fills them from the engine config).
+    """
+    samples = make_grpo_samples(seed, batch_size, **sample_kwargs)
+    idx = list(indices) if indices is not None else shard_for_rank(range(batch_size), rank, world_size)
+    mbs = mini_batch_size or batch_size
+    non_tensor = {
+        "temperature": temperature,
+        "global_batch_size": mbs,
+        "mini_batch_size": mbs,
+        "epochs": 1,
+        "seed": 42,
+        "dataloader_kwargs": {"shuffle": False},
+        "calculate_entropy": False,
+    }
+    if max_token_len_per_gpu is not None:
+        non_tensor.update(use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len_per_gpu)
+    if micro_batch_size_per_gpu is not None:
+        non_tensor.update(use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size_per_gpu)
+    return samples_to_tensordict([samples[i] for i in idx], non_tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# operations (what the verl roles call)
+# ---------------------------------------------------------------------------------------------
+
+
+def _metrics_to_python(metrics: dict) -> dict:
+    from verl.utils.metric.utils import Metric
+
+    def conv(v):
+        if isinstance(v, Metric):
+            return v.aggregate()
+        if isinstance(v, torch.Tensor):
+            return v.detach().cpu().tolist()
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        return v
+
+    return {k: conv(v) for k, v in metrics.items()}
+
+
+def actor_update(worker, batch) -> dict:
+    """One ``update_actor`` call: ``TrainingWorker.train_mini_batch`` with the ppo loss.
+
+    With the default ``mini_batch_size == global_batch_size == len(global batch)`` this is
+    exactly one optimizer step. Returns the metrics dict (values are lists per mini-batch /
+    micro-batch, as the worker returns them; ``grad_norm``, ``loss``, ``actor/pg_loss``...).
+    """
+    from verl.utils import tensordict_utils as tu
+
+    out = worker.train_mini_batch(batch.clone() if hasattr(batch, "clone") else batch)
+    return _metrics_to_python(tu.get(out, "metrics")) if out is not None else {}
+
+
+critic_update = actor_update  # same worker call; the worker's loss_fn is value_loss for critics
+
+
+def train_step(worker, batch) -> dict:
+    """One optimizer step on this rank's local ``batch`` via ``TrainingWorker.train_batch``.
+
+    This is the per-mini-batch body of ``train_mini_batch`` without its iterator, so the local
+    batch may have a different number of samples on each rank (an uneven LB-Mini share);
+    ``global_batch_size`` in the batch must be the global mini-batch size. Like
+    ``train_mini_batch`` it all-gathers the per-sequence token counts into ``global_token_num``
+    (used for MFU only). Collective: call on every rank. Returns the metrics as
+    ``TrainingWorker.train_batch`` gives them: ``loss``/``grad_norm`` are floats, the loss
+    function's metrics are lists gathered over DP ranks (no per-mini-batch list level).
+    """
+    import torch.distributed as dist
+    from tensordict import NonTensorData
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.clone()
+    for key in ("mini_batch_size", "epochs", "seed", "dataloader_kwargs", "num_mini_batch"):
+        tu.pop(data, key=key, default=None)
+    lens = data["input_ids"].offsets().diff().tolist()
+    group = worker.engine.get_data_parallel_group()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, lens, group)
+    tu.assign_non_tensor(
+        data,
+        global_token_num=NonTensorData([x for xs in gathered for x in xs]),
+        update_lr_scheduler=False,
+    )
+    out = worker.train_batch(data)
+    return _metrics_to_python(tu.get(out, "metrics")) if out is not None else {}
+
+
+def count_micro_batches(worker) -> list[int]:
+    """Instrument ``worker.engine.forward_step``; returns a list that grows by one per micro-batch call."""
+    calls: list[int] = []
+    engine = worker.engine
+    original = engine.forward_step
+
+    def counting_forward_step(micro_batch, loss_function, forward_only):
+        calls.append(len(micro_batch))
+        return original(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+    engine.forward_step = counting_forward_step
+    return calls
+
+
+def _infer(worker, batch, key: str, **flags):
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.clone()
+    tu.assign_non_tensor(data, compute_loss=False, **flags)
+    out = worker.infer_batch(data)
+    nested = tu.get(out, key)
+    return [t.detach().clone() for t in nested.unbind()]
+
+
+def compute_log_probs(worker, batch, calculate_entropy: bool = False) -> list[torch.Tensor]:
+    """``compute_log_prob``: per sample, log-probs of ``input_ids[1:]`` (length = seq_len, last is junk).
+
+    Entry ``t`` of sample ``i`` is ``log p(input_ids[t+1] | input_ids[:t+1])``; the response
+    slice verl uses is ``[prompt_len-1 : seq_len-1]`` (see :func:`response_slice`).
+    """
+    return _infer(worker, batch, "log_probs", calculate_entropy=calculate_entropy)
+
+
+def compute_values(worker, batch) -> list[torch.Tensor]:
+    """``compute_values`` (critic ``infer_batch``): per-token values, length = seq_len per sample."""
+    return _infer(worker, batch, "values")
+
+
+def response_slice(full: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
+    """Response part of a per-token model output, with verl's left shift (no_padding_2_padding)."""
+    return full[prompt_len - 1 : prompt_len + response_len - 1]
+
+
+def hf_log_probs(model, samples: Sequence[dict]) -> list[torch.Tensor]:
+    """Reference: plain per-sequence HF forward, log p(input_ids[t+1] | ...) for t < len-1."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = s["input_ids"].unsqueeze(0)
+            logits = model(input_ids=ids, position_ids=s["position_ids"].unsqueeze(0)).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+            out.append(lp)
+    return out
+
+
+def full_state_dict(worker) -> dict[str, torch.Tensor]:
+    """Gathered full parameters of the worker's module (collective: call on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    module = worker.engine.module
+    state = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        state[name] = t.detach().to("cpu", torch.float32).clone()
+    return state
+
+
+def exported_weights(worker) -> dict[str, torch.Tensor]:
+    """Weights as exported to rollout (``engine.get_per_tensor_param()``), HF names."""
+    gen, _ = worker.engine.get_per_tensor_param()
+    return {k: v.detach().to("cpu", torch.float32).clone() for k, v in gen}

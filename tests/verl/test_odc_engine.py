@@ -1,0 +1,130 @@
+"""verl backend `odc` against verl's own `fsdp2` engine on 2 CPU gloo ranks (tests/verl/harness.py).
+
+One 2-rank run builds, for each strategy, an actor, a forward-only reference model and a critic, and:
+  * compares log-probs, reference log-probs and values;
+  * updates the actor and the critic once: `fsdp2` with verl's even split, `odc` with an uneven split
+    (3 vs 5 samples, so the ranks run different micro-batch counts); the updates must agree;
+  * compares the weights exported for the rollout, and loads a checkpoint saved under `odc` into
+    `fsdp2` and one saved under `fsdp2` into `odc`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.verl import harness as H
+
+WORLD = 2
+BATCH = 8
+SEED = 0
+MAX_TOKENS = 64  # per-micro-batch budget: several micro-batches per rank
+UNEVEN = [[0, 1, 2], [3, 4, 5, 6, 7]]
+# SGD keeps parameter deltas proportional to the gradient, so a wrong loss scale cannot hide behind
+# Adam's normalization.
+SGD = {"max_token_len_per_gpu": MAX_TOKENS, "lr": 1.0, "optim_kwargs": {"optimizer": "SGD", "weight_decay": 0.0}}
+PLUGIN = ["odc_plugin.verl.plugin"]
+
+
+def _body(rank, world_size, model_dir, ckpt_dir):
+    even = H.make_grpo_batch(SEED, BATCH, world_size=world_size, rank=rank)
+    uneven = H.make_grpo_batch(SEED, BATCH, indices=UNEVEN[rank])
+    out = {}
+    for strategy in ("fsdp2", "odc"):
+        res = out[strategy] = {}
+        actor = H.build_engine("language_model", strategy, model_dir, **SGD)
+        res["engine"] = type(actor.engine).__name__
+        res["log_probs"] = H.compute_log_probs(actor, even)
+        res["exported_before"] = H.exported_weights(actor)
+        calls = H.count_micro_batches(actor)
+        if strategy == "odc":
+            res["metrics"] = H.train_step(actor, uneven)
+        else:
+            res["metrics"] = H.actor_update(actor, even)
+        res["micro_batches"] = len(calls)
+        res["actor_after"] = H.full_state_dict(actor)
+        res["exported_after"] = H.exported_weights(actor)
+        actor.engine.save_checkpoint(os.path.join(ckpt_dir, strategy), global_step=1)
+        del actor
+
+        ref = H.build_engine("language_model", strategy, model_dir, forward_only=True,
+                             max_token_len_per_gpu=MAX_TOKENS)
+        res["ref_log_probs"] = H.compute_log_probs(ref, even)
+        del ref
+
+        critic = H.build_engine("value_model", strategy, model_dir, **SGD)
+        res["values"] = H.compute_values(critic, even)
+        if strategy == "odc":
+            H.train_step(critic, uneven)
+        else:
+            H.critic_update(critic, even)
+        res["critic_after"] = H.full_state_dict(critic)
+        del critic
+
+    # Checkpoints cross over: each strategy loads the other's and must hold the other's weights.
+    for strategy, other in (("fsdp2", "odc"), ("odc", "fsdp2")):
+        actor = H.build_engine("language_model", strategy, model_dir, **SGD)
+        actor.engine.load_checkpoint(os.path.join(ckpt_dir, other), del_local_after_load=False)
+        out[strategy]["loaded_other"] = H.full_state_dict(actor)
+        del actor
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
+    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+    return H.run_on_ranks(_body, WORLD, model_dir, ckpt_dir, plugin_modules=PLUGIN)
+
+
+def _assert_state_close(got, expected, what):
+    assert got.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
+
+
+def test_registry_gives_odc_engines(runs):
+    assert runs[0]["odc"]["engine"] == "ODCEngineWithLMHead"
+    assert runs[0]["fsdp2"]["engine"] == "FSDPEngineWithLMHead"
+
+
+def test_ranks_ran_different_micro_batch_counts_under_odc(runs):
+    odc_counts = [r["odc"]["micro_batches"] for r in runs]
+    fsdp_counts = [r["fsdp2"]["micro_batches"] for r in runs]
+    assert odc_counts[0] != odc_counts[1], odc_counts
+    assert fsdp_counts[0] == fsdp_counts[1], fsdp_counts
+
+
+def test_actor_and_critic_updates_equal_fsdp2(runs):
+    for r in runs:
+        _assert_state_close(r["odc"]["actor_after"], r["fsdp2"]["actor_after"], "actor")
+        _assert_state_close(r["odc"]["critic_after"], r["fsdp2"]["critic_after"], "critic")
+    # the update really moved the weights
+    before, after = runs[0]["fsdp2"]["exported_before"], runs[0]["fsdp2"]["exported_after"]
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_log_probs_ref_log_probs_and_values_equal_fsdp2(runs):
+    for r in runs:
+        for key in ("log_probs", "ref_log_probs", "values"):
+            for got, expected in zip(r["odc"][key], r["fsdp2"][key], strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_exported_weights_equal_fsdp2(runs):
+    for key in ("exported_before", "exported_after"):
+        _assert_state_close(runs[0]["odc"][key], runs[0]["fsdp2"][key], key)
+
+
+def test_checkpoints_load_across_strategies(runs):
+    for r in runs:
+        _assert_state_close(r["fsdp2"]["loaded_other"], r["odc"]["actor_after"], "odc checkpoint in fsdp2")
+        _assert_state_close(r["odc"]["loaded_other"], r["fsdp2"]["actor_after"], "fsdp2 checkpoint in odc")
+
+
+def test_odc_metrics_reach_the_worker_output(runs):
+    metrics = runs[0]["odc"]["metrics"]
+    for key in ("odc/compute_s_max", "odc/wait_s_max", "odc/compute_imbalance", "odc/micro_batches_max"):
+        assert key in metrics, sorted(metrics)
