@@ -7,6 +7,7 @@ the others are killed and the first failure is raised with its traceback; nothin
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import tempfile
@@ -30,14 +31,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s):
+def _by_name(fn):
+    """Send a module-level function by name: its module is then imported in the child only after
+    `setup` has run (a module that imports verl at the top must see the setup first)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<locals>" not in qualname:
+        return (module, qualname)
+    return fn
+
+
+def _resolve(fn):
+    if not isinstance(fn, tuple):
+        return fn
+    obj = importlib.import_module(fn[0])
+    for part in fn[1].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+                      MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
+        if setup is not None:
+            setup()
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
-        result = fn(rank, world_size, *args)
+        result = _resolve(fn)(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it with the traceback
         torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, path)
@@ -48,17 +70,21 @@ def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600.0,
-              pg_timeout_s: float = 120.0, failure_grace_s: float = 30.0) -> list[Any]:
+              pg_timeout_s: float = 120.0, failure_grace_s: float = 30.0,
+              setup: Callable[[], None] | None = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return the per-rank results.
 
-    `fn` must be importable (a module-level function). Raises RankFailed naming the first failed rank.
+    `fn` must be importable (a module-level function); `setup`, if given, runs in each rank before the
+    process group starts and before `fn`'s module is imported. Raises RankFailed naming the first
+    failed rank; if one fails, the others get `failure_grace_s` to finish, then are killed.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, out_dir, args, pg_timeout_s), daemon=True)
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(_by_name(fn), r, world_size, port, out_dir, args, pg_timeout_s, setup))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -39,16 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import tempfile
-import time
-import traceback
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
 import torch
+
+from odc_plugin.launch import RankFailed, run_ranks  # noqa: F401 - RankFailed is re-exported for tests
 
 # Defaults of the tiny model (a Qwen2 causal LM, fp32).
 TINY_QWEN2 = {
@@ -67,128 +64,17 @@ ATTN_IMPL = "sdpa"
 PAD_TOKEN_ID = 0
 
 
-# ---------------------------------------------------------------------------------------------
-# process launcher
-# ---------------------------------------------------------------------------------------------
+def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args, plugin_modules: Sequence[str] = (),
+                 timeout_s: float = 600.0, pg_timeout_s: float = 300.0) -> list[Any]:
+    """``odc_plugin.launch.run_ranks`` with verl set up for CPU in every rank (:func:`setup_verl_for_cpu`,
+    then ``plugin_modules`` imported, e.g. ``["odc_plugin.verl.plugin"]``) before ``fn``'s module loads."""
+    setup = partial(_cpu_rank_setup, tuple(plugin_modules))
+    return run_ranks(fn, world_size, *args, setup=setup, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
 
 
-class RankFailed(RuntimeError):
-    """A rank raised or died; the message carries its traceback or exit code."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(fn, rank, world_size, port, out_dir, args, kwargs, pg_timeout_s, setup, plugin_modules):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        CUDA_VISIBLE_DEVICES="",
-    )
-    torch.set_num_threads(1)
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        if setup:
-            setup_verl_for_cpu(plugin_modules=plugin_modules)
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
-        if isinstance(fn, tuple):  # (module, qualname): imported only now, after the CPU setup
-            import importlib
-
-            obj = importlib.import_module(fn[0])
-            for part in fn[1].split("."):
-                obj = getattr(obj, part)
-            fn = obj
-        result = fn(rank, world_size, *args, **kwargs)
-        torch.save({"ok": True, "result": result}, path)
-    except BaseException as e:  # noqa: BLE001 - re-raised in the parent with the traceback
-        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, path)
-        os._exit(1)
-    # Do not tear the group down: waiting in destroy_process_group for a dead peer could hang.
-    os._exit(0)
-
-
-def run_on_ranks(
-    fn: Callable[..., Any],
-    world_size: int = 2,
-    *args,
-    timeout_s: float = 600.0,
-    pg_timeout_s: float = 300.0,
-    failure_grace_s: float = 20.0,
-    setup: bool = True,
-    plugin_modules: Sequence[str] = (),
-    **kwargs,
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned gloo processes.
-
-    Each process uses one thread, gets RANK/WORLD_SIZE/MASTER_* env vars, runs
-    :func:`setup_verl_for_cpu` (unless ``setup=False``; ``plugin_modules`` are imported
-    after it, e.g. ``["odc_plugin.verl.plugin"]``) and ``init_process_group("gloo")``
-    before calling ``fn``. Like any spawn launcher, a calling script needs an
-    ``if __name__ == "__main__":`` guard. Results come back through ``torch.save`` files, so ``fn`` may
-    return tensors, dicts of tensors, etc. Returns the list of per-rank results.
-    Raises :class:`RankFailed` (with the rank's traceback) if any rank fails; on a failure
-    the remaining ranks get ``failure_grace_s`` to finish and are then killed.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    # Send module-level functions by name so their module (which may import verl or a plugin at
-    # top level) is imported in the child only after setup_verl_for_cpu().
-    fn_ref = fn
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if module and module != "__main__" and "<locals>" not in qualname:
-        fn_ref = (module, qualname)
-    with tempfile.TemporaryDirectory(prefix="verl-harness-") as out_dir:
-        procs = [
-            ctx.Process(
-                target=_rank_entry,
-                args=(fn_ref, r, world_size, port, out_dir, args, kwargs, pg_timeout_s, setup, tuple(plugin_modules)),
-                daemon=True,
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        try:
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    deadline = min(deadline, time.monotonic() + failure_grace_s)
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
-        results = []
-        for r, p in enumerate(procs):
-            path = os.path.join(out_dir, f"rank{r}.pt")
-            if os.path.exists(path):
-                results.append(torch.load(path, weights_only=False))
-            else:
-                why = "was killed at the time limit" if p.exitcode == -9 else f"exited with code {p.exitcode}"
-                results.append({"ok": False, "error": f"{why} and left no result", "traceback": ""})
-        failed = [(r, res) for r, res in enumerate(results) if not res["ok"]]
-        if failed:
-            r, res = failed[0]
-            others = "; ".join(f"rank {q}: {e['error']}" for q, e in failed[1:])
-            raise RankFailed(
-                f"rank {r} failed: {res['error']}" + (f" (also {others})" if others else "") + f"\n{res['traceback']}"
-            )
-        return [res["result"] for res in results]
+def _cpu_rank_setup(plugin_modules: tuple[str, ...]) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    setup_verl_for_cpu(plugin_modules=plugin_modules)
 
 
 # ---------------------------------------------------------------------------------------------
