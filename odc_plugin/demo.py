@@ -80,6 +80,7 @@ def draw_minibatches(cfg: DemoConfig) -> list[list[Sample]]:
     batches = []
     for step in range(cfg.steps):
         if file_lengths:
+            # a file gives whole-sample lengths; a quarter of each (at most the prompt cap) is prompt
             picks = torch.randint(0, len(file_lengths), (n,), generator=g).tolist()
             totals = [min(file_lengths[i], cfg.max_prompt_length + cfg.max_response_length) for i in picks]
             prompts = [min(cfg.max_prompt_length, max(1, t // 4)) for t in totals]
@@ -87,14 +88,12 @@ def draw_minibatches(cfg: DemoConfig) -> list[list[Sample]]:
         else:
             sample = rl_math_like(n, max_prompt_length=cfg.max_prompt_length,
                                   max_response_length=cfg.max_response_length, seed=cfg.seed * 1000 + step)
-            prompts, responses = sample.prompt_lens, sample.response_lens
+            # GRPO: the responses of one prompt share it
+            prompts = [sample.prompt_lens[i - i % cfg.group_size] for i in range(n)]
+            responses = sample.response_lens
         rewards = torch.randint(0, 2, (n,), generator=g).float().view(-1, cfg.group_size)
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
-        batch = []
-        for i in range(n):
-            group = i // cfg.group_size
-            # GRPO: the responses of one prompt share it
-            batch.append(Sample(prompts[group * cfg.group_size], responses[i], float(adv[i]), step * n + i))
+        batch = [Sample(prompts[i], responses[i], float(adv[i]), step * n + i) for i in range(n)]
         batches.append(batch)
     return batches
 
