@@ -48,7 +48,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
-        """Add `src` into `peer`'s slice at `offset`; concurrent writers from many ranks lose nothing."""
+        """Add `src` into `peer`'s slice at `offset`; concurrent writers from many ranks lose nothing.
+
+        The owner's own writes to its slice (zeroing it after a barrier) must be finished before peers
+        accumulate again; the FSDP layer orders this with its "published" flag.
+        """
 
     @abc.abstractmethod
     def barrier(self, timeout_s: float) -> None:
@@ -85,7 +89,8 @@ class Transport(abc.ABC):
         """Wait for this rank's outstanding asynchronous transfers (no-op for synchronous transports)."""
 
     def close(self) -> None:
-        """Release the regions; safe to call twice."""
+        """Release the regions; safe to call twice. Collective for some transports (nvshmem): every
+        rank calls it, in the same order."""
 
     def _check_range(self, region: Region, peer: int, offset: int, n: int) -> None:
         if not 0 <= peer < self.world_size:
