@@ -92,8 +92,12 @@ class OnDemandComm:
         if self.world_size > 1:
             layout_of = {id(layout.group): layout for layout in self.layouts}
             for module, groups in modules_and_groups:
-                (group,) = groups  # FSDP's custom-comm setters refuse modules with several groups
-                layout = layout_of[id(group)]
+                if not groups:
+                    continue  # an FSDP module whose parameters all belong to its children
+                if len(groups) > 1:
+                    raise ValueError("ODC needs one parameter group per fully_shard module; per-parameter "
+                                     "meshes (shard_placement_fn) are not supported")
+                layout = layout_of[id(groups[0])]
                 module.set_custom_all_gather(_OnDemandAllGather(self, layout))
                 module.set_custom_reduce_scatter(_ScatterAccumulate(self, layout))
                 # Plain sums reach the hook; ODC divides once, at the end of the mini-batch.
