@@ -1,0 +1,130 @@
+# Shared by the grpo_*.sh scripts (source it after setting the run's settings; do not run it alone).
+#
+# Runs verl's GRPO trainer (python -m verl.trainer.main_ppo) once per strategy in $STRATEGY with the
+# same settings; only the strategy lines differ. Each run writes its per-step metrics with verl's
+# `file` logger to $OUT_DIR/$EXP/<strategy>.jsonl and its console output to <strategy>.log; after both
+# the A/B report (ab_report.py) compares them.
+#
+# Set by the calling script: DATASET, MODEL, EXP, MAX_PROMPT, MAX_RESPONSE, TRAIN_BATCH, MINI_BATCH,
+# N (responses per prompt), TOKENS_PER_GPU, ROLLOUT_TP, ROLLOUT_MEM.
+# Environment (all optional):
+#   STRATEGY        "fsdp2", "odc" or "fsdp2 odc" (default: both, one after the other)
+#   NGPUS, NNODES   GPUs per node (8) and nodes (1)
+#   STEPS           training steps per run (30)
+#   DATA_DIR        where preprocess_data.py wrote train.parquet/test.parquet ($HOME/data/$DATASET)
+#   OUT_DIR         where the runs go ($PWD/odc_ab_runs)
+#   ODC_CONFIGS     hydra search path entry of the plugin's configs (pkg://odc_plugin.configs)
+#   ODC_TRANSPORT, ODC_BALANCER, ODC_COST_MODEL   ODC options (auto, lb_mini, flops)
+#   EXTRA_ARGS      more hydra overrides for both runs, space separated
+#   PYTHON          interpreter (python3)
+#   DRY_RUN=1       print each run's command, one argument per line, and run nothing
+
+STRATEGY=${STRATEGY:-fsdp2 odc}
+NGPUS=${NGPUS:-8}
+NNODES=${NNODES:-1}
+STEPS=${STEPS:-30}
+DATA_DIR=${DATA_DIR:-$HOME/data/$DATASET}
+OUT_DIR=${OUT_DIR:-$PWD/odc_ab_runs}
+ODC_CONFIGS=${ODC_CONFIGS:-pkg://odc_plugin.configs}
+ODC_TRANSPORT=${ODC_TRANSPORT:-auto}
+ODC_BALANCER=${ODC_BALANCER:-lb_mini}
+ODC_COST_MODEL=${ODC_COST_MODEL:-flops}
+PYTHON=${PYTHON:-python3}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+RUN_DIR=$OUT_DIR/$EXP
+
+# Everything both runs share.
+COMMON_ARGS=(
+    "algorithm.adv_estimator=grpo"
+    "algorithm.use_kl_in_reward=False"
+    "data.train_files=$DATA_DIR/train.parquet"
+    "data.val_files=$DATA_DIR/test.parquet"
+    "data.train_batch_size=$TRAIN_BATCH"
+    "data.max_prompt_length=$MAX_PROMPT"
+    "data.max_response_length=$MAX_RESPONSE"
+    "data.filter_overlong_prompts=True"
+    "data.truncation=error"
+    "actor_rollout_ref.model.path=$MODEL"
+    "actor_rollout_ref.model.use_remove_padding=True"
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True"
+    "actor_rollout_ref.actor.optim.lr=1e-6"
+    "actor_rollout_ref.actor.ppo_mini_batch_size=$MINI_BATCH"
+    "actor_rollout_ref.actor.use_dynamic_bsz=True"
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$TOKENS_PER_GPU"
+    "actor_rollout_ref.actor.use_kl_loss=True"
+    "actor_rollout_ref.actor.kl_loss_coef=0.001"
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl"
+    "actor_rollout_ref.actor.entropy_coeff=0"
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False"
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False"
+    "actor_rollout_ref.rollout.name=vllm"
+    "actor_rollout_ref.rollout.n=$N"
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP"
+    "actor_rollout_ref.rollout.gpu_memory_utilization=$ROLLOUT_MEM"
+    "trainer.logger=[console,file]"
+    "trainer.project_name=odc_ab"
+    "trainer.n_gpus_per_node=$NGPUS"
+    "trainer.nnodes=$NNODES"
+    "trainer.total_training_steps=$STEPS"
+    "trainer.val_before_train=False"
+    "trainer.test_freq=-1"
+    "trainer.save_freq=-1"
+    "trainer.resume_mode=disable"
+    "trainer.critic_warmup=0"
+)
+
+strategy_args() {
+    case "$1" in
+        fsdp2)
+            STRATEGY_ARGS=(
+                "actor_rollout_ref.actor.strategy=fsdp2"
+                "critic.strategy=fsdp2"
+            ) ;;
+        odc)
+            # model_engine=odc: actor, reference model and critic on strategy odc with ODC engine configs
+            STRATEGY_ARGS=(
+                "hydra.searchpath=[$ODC_CONFIGS]"
+                "model_engine=odc"
+                "actor_rollout_ref.actor.fsdp_config.odc_transport=$ODC_TRANSPORT"
+                "actor_rollout_ref.actor.fsdp_config.odc_balancer=$ODC_BALANCER"
+                "actor_rollout_ref.actor.fsdp_config.odc_cost_model=$ODC_COST_MODEL"
+                "actor_rollout_ref.ref.fsdp_config.odc_transport=$ODC_TRANSPORT"
+            ) ;;
+        *)
+            echo "STRATEGY must be fsdp2, odc or \"fsdp2 odc\"; got '$1'" >&2
+            exit 2 ;;
+    esac
+}
+
+run_one() {
+    local strategy=$1
+    strategy_args "$strategy"
+    local metrics=$RUN_DIR/$strategy.jsonl
+    # shellcheck disable=SC2206
+    local extra=(${EXTRA_ARGS:-})
+    local cmd=(
+        "$PYTHON" -m verl.trainer.main_ppo
+        "${COMMON_ARGS[@]}"
+        "${STRATEGY_ARGS[@]}"
+        "trainer.experiment_name=${EXP}_${strategy}"
+        # verl's file logger writes where VERL_FILE_LOGGER_PATH says; it runs inside a Ray actor, so the
+        # variable is passed through Ray's runtime env as well as exported
+        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$metrics"
+        "${extra[@]}"
+    )
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        printf '%s\n' "${cmd[@]}"
+        return
+    fi
+    mkdir -p "$RUN_DIR"
+    echo "== $EXP: strategy $strategy -> $metrics"
+    VERL_FILE_LOGGER_PATH=$metrics "${cmd[@]}" 2>&1 | tee "$RUN_DIR/$strategy.log"
+}
+
+for strategy in $STRATEGY; do
+    run_one "$strategy"
+done
+
+if [[ "${DRY_RUN:-0}" != 1 && -f "$RUN_DIR/fsdp2.jsonl" && -f "$RUN_DIR/odc.jsonl" ]]; then
+    "$PYTHON" "$HERE/ab_report.py" "$RUN_DIR" | tee "$RUN_DIR/report.txt"
+fi

@@ -1,0 +1,251 @@
+"""A/B report: a `fsdp2` run against an `odc` run of verl's trainer, from their logged metrics.
+
+Reads the per-step metrics that verl's `file` logger (`trainer.logger=[...,file]`) writes: one JSON
+object per `Tracking.log` call, `{"step": <global step>, "data": {<metric>: <value>}}`, one file per
+run. Training steps are the records with `timing_s/step`; the first `--skip-first` of them are left out
+(start-up: compilation, caches, vLLM warm-up), then every figure is the median over the remaining steps
+and every speedup is a ratio of the two runs' medians (> 1: the candidate is faster).
+
+Metrics read (verl 0.9.1 `compute_timing_metrics` / `compute_throughout_metrics`, our engines):
+    timing_s/step                      one whole training step (end to end)
+    timing_s/<phase>                   gen, old_log_prob, ref, values, update_critic, update_actor
+    perf/total_num_tokens              prompt + response tokens of the step's batch
+    perf/throughput                    total_num_tokens / (step time * number of GPUs)
+    {actor,critic}/odc/compute_s_mean, wait_s_mean, wait_s_max, compute_imbalance,
+    micro_batches_min, micro_batches_max   from the odc engines (absent in a fsdp2 run: n/a)
+The update phase is update_actor + update_critic (the critic only when it ran); its throughput is
+total_num_tokens / update phase time. Idle fraction = wait / (wait + compute) of the ODC mini-batches
+(mean over ranks and mini-batches, per step).
+
+    python -m odc_plugin.verl.ab_report RUN_DIR             # RUN_DIR/fsdp2.jsonl vs RUN_DIR/odc.jsonl
+    python -m odc_plugin.verl.ab_report BASELINE.jsonl CANDIDATE.jsonl [--skip-first N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+STEP = "timing_s/step"
+TOKENS = "perf/total_num_tokens"
+THROUGHPUT = "perf/throughput"
+PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")
+UPDATE_PHASES = ("update_actor", "update_critic")
+ROLES = ("actor", "critic")
+ODC_STATS = ("compute_s_mean", "wait_s_mean", "wait_s_max", "compute_imbalance", "micro_batches_min",
+             "micro_batches_max")
+
+
+class ReportError(Exception):
+    """The metric files cannot give the report (missing, empty, no training steps)."""
+
+
+@dataclass
+class Run:
+    label: str
+    path: str
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)  # training steps only, in order
+
+
+def read_metrics(path: str) -> dict[int, dict[str, float]]:
+    """All records of a `file` logger output, merged per step (a step may be logged more than once)."""
+    steps: dict[int, dict[str, float]] = {}
+    try:
+        with open(path, encoding="utf-8") as fp:
+            for number, line in enumerate(fp, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    step, data = int(record["step"]), record["data"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ReportError(f"{path}:{number}: not a verl file-logger record ({e})") from None
+                merged = steps.setdefault(step, {})
+                for key, value in data.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                        merged[key] = float(value)
+    except FileNotFoundError:
+        raise ReportError(f"{path}: no such metrics file") from None
+    return steps
+
+
+def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
+    """The run's training steps after the first `skip_first`."""
+    label = label or os.path.splitext(os.path.basename(path))[0]
+    training = {s: m for s, m in sorted(read_metrics(path).items()) if STEP in m}
+    if len(training) <= skip_first:
+        raise ReportError(f"{path}: {len(training)} training step(s) with {STEP}, need more than "
+                          f"--skip-first={skip_first}")
+    kept = dict(list(training.items())[skip_first:])
+    return Run(label=label, path=path, steps=kept)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _per_step(run: Run, fn) -> list[float]:
+    out = []
+    for metrics in run.steps.values():
+        try:
+            value = fn(metrics)
+        except (KeyError, ZeroDivisionError):
+            continue
+        if value is not None:
+            out.append(value)
+    return out
+
+
+def _update_time(m: dict[str, float]) -> float | None:
+    present = [m[f"timing_s/{p}"] for p in UPDATE_PHASES if f"timing_s/{p}" in m]
+    return sum(present) if present else None
+
+
+def _idle_fraction(role: str):
+    def fn(m: dict[str, float]) -> float | None:
+        wait, compute = m[f"{role}/odc/wait_s_mean"], m[f"{role}/odc/compute_s_mean"]
+        return wait / (wait + compute) if wait + compute > 0 else None
+    return fn
+
+
+def summarize(run: Run) -> dict[str, float | None]:
+    """Medians over the run's kept steps; None where the run did not log what a figure needs."""
+    s: dict[str, float | None] = {
+        "steps": float(len(run.steps)),
+        "step_s": _median(_per_step(run, lambda m: m[STEP])),
+        "update_s": _median(_per_step(run, _update_time)),
+        "update_tokens_per_s": _median(_per_step(run, lambda m: m[TOKENS] / _update_time(m))),
+        "tokens_per_s": _median(_per_step(run, lambda m: m[TOKENS] / m[STEP])),
+        "tokens_per_s_per_gpu": _median(_per_step(run, lambda m: m[THROUGHPUT])),
+        "tokens_per_step": _median(_per_step(run, lambda m: m[TOKENS])),
+    }
+    for phase in PHASES:
+        s[f"{phase}_s"] = _median(_per_step(run, lambda m, p=phase: m[f"timing_s/{p}"]))
+    for role in ROLES:
+        s[f"{role}_idle_fraction"] = _median(_per_step(run, _idle_fraction(role)))
+        for stat in ODC_STATS:
+            s[f"{role}_odc_{stat}"] = _median(_per_step(run, lambda m, k=f"{role}/odc/{stat}": m[k]))
+    return s
+
+
+# (key, label, kind): kind "time" -> speedup = base / candidate; "rate" -> candidate / base; "" -> none
+ROWS = [
+    ("update_s", "update phase s/step (update_actor + update_critic)", "time"),
+    ("update_actor_s", "  update_actor s/step", "time"),
+    ("update_critic_s", "  update_critic s/step", "time"),
+    ("old_log_prob_s", "old_log_prob s/step", "time"),
+    ("ref_s", "ref s/step", "time"),
+    ("values_s", "values s/step", "time"),
+    ("gen_s", "gen (rollout) s/step", "time"),
+    ("step_s", "step s (end to end)", "time"),
+    ("update_tokens_per_s", "update phase tokens/s", "rate"),
+    ("tokens_per_s", "end-to-end tokens/s", "rate"),
+    ("tokens_per_s_per_gpu", "end-to-end tokens/s/GPU (perf/throughput)", "rate"),
+    ("tokens_per_step", "tokens/step", ""),
+    ("actor_idle_fraction", "actor idle fraction (wait / (wait + compute))", ""),
+    ("actor_odc_wait_s_mean", "  actor odc wait s (mean)", ""),
+    ("actor_odc_wait_s_max", "  actor odc wait s (max)", ""),
+    ("actor_odc_compute_s_mean", "  actor odc compute s (mean)", ""),
+    ("actor_odc_compute_imbalance", "  actor compute max/mean", ""),
+    ("actor_odc_micro_batches_min", "  actor micro-batches min", ""),
+    ("actor_odc_micro_batches_max", "  actor micro-batches max", ""),
+    ("critic_idle_fraction", "critic idle fraction (wait / (wait + compute))", ""),
+    ("critic_odc_wait_s_mean", "  critic odc wait s (mean)", ""),
+    ("critic_odc_compute_s_mean", "  critic odc compute s (mean)", ""),
+    ("critic_odc_compute_imbalance", "  critic compute max/mean", ""),
+]
+ALWAYS = {"update_s", "step_s", "update_tokens_per_s", "tokens_per_s", "actor_idle_fraction"}
+
+
+def speedup(base: float | None, cand: float | None, kind: str) -> float | None:
+    if base is None or cand is None or kind == "":
+        return None
+    num, den = (base, cand) if kind == "time" else (cand, base)
+    return num / den if den > 0 else None
+
+
+def compare(base: Run, cand: Run) -> dict:
+    b, c = summarize(base), summarize(cand)
+    rows = []
+    for key, label, kind in ROWS:
+        if key not in ALWAYS and b[key] is None and c[key] is None:
+            continue
+        rows.append({"key": key, "label": label, "baseline": b[key], "candidate": c[key],
+                     "speedup": speedup(b[key], c[key], kind)})
+    return {
+        "baseline": {"label": base.label, "path": base.path, "steps": len(base.steps)},
+        "candidate": {"label": cand.label, "path": cand.path, "steps": len(cand.steps)},
+        "rows": rows,
+        "speedup_update": speedup(b["update_s"], c["update_s"], "time"),
+        "speedup_end_to_end": speedup(b["step_s"], c["step_s"], "time"),
+    }
+
+
+def _fmt(value: float | None, key: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if "fraction" in key:
+        return f"{100 * value:.1f}%"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
+
+
+def format_report(report: dict) -> str:
+    b, c = report["baseline"], report["candidate"]
+    width = max(len(r["label"]) for r in report["rows"])
+    cols = max(10, len(b["label"]), len(c["label"]))
+    lines = [
+        f"A/B report: {b['label']} ({b['path']}, {b['steps']} steps) vs {c['label']} ({c['path']}, {c['steps']} steps)",
+        "medians over steps; speedup = ratio of medians, > 1 means the candidate is faster",
+        "",
+        f"{'':{width}}  {b['label']:>{cols}}  {c['label']:>{cols}}  {'speedup':>8}",
+    ]
+    for r in report["rows"]:
+        sp = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        lines.append(f"{r['label']:{width}}  {_fmt(r['baseline'], r['key']):>{cols}}  "
+                     f"{_fmt(r['candidate'], r['key']):>{cols}}  {sp:>8}".rstrip())
+    up, e2e = report["speedup_update"], report["speedup_end_to_end"]
+    lines += ["", f"speedup {c['label']} over {b['label']}: update phase "
+                  f"{'n/a' if up is None else f'{up:.2f}x'}, end to end {'n/a' if e2e is None else f'{e2e:.2f}x'}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ab_report", description="Compare a fsdp2 run and an odc run of verl from their file-logger metrics.")
+    parser.add_argument("runs", nargs="+", metavar="RUN",
+                        help="a directory holding fsdp2.jsonl and odc.jsonl, or BASELINE.jsonl CANDIDATE.jsonl")
+    parser.add_argument("--labels", nargs=2, metavar=("BASELINE", "CANDIDATE"),
+                        help="column names (default: the file names)")
+    parser.add_argument("--skip-first", type=int, default=1, metavar="N",
+                        help="training steps left out at the start of each run (default 1)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+
+    if len(args.runs) == 1 and os.path.isdir(args.runs[0]):
+        paths = [os.path.join(args.runs[0], "fsdp2.jsonl"), os.path.join(args.runs[0], "odc.jsonl")]
+    elif len(args.runs) == 2:
+        paths = args.runs
+    else:
+        parser.error("give one run directory or two metric files")
+    if args.skip_first < 0:
+        parser.error("--skip-first must be >= 0")
+    labels = args.labels or [None, None]
+    try:
+        base, cand = (load_run(p, label, args.skip_first) for p, label in zip(paths, labels))
+        report = compare(base, cand)
+    except ReportError as e:
+        print(f"ab_report: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The A/B report on metric files written by verl's own `file` logger.
+
+The synthetic runs go through the same verl code as a real training step: `compute_timing_metrics` and
+`compute_throughout_metrics` name the timing and throughput metrics, `rename_dict` + `reduce_metrics`
+turn the engines' per-mini-batch metrics into `actor/...` values, and `Tracking(default_backend="file")`
+writes them. If verl changes a name or the file format, these tests fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from verl import DataProto
+from verl.trainer.ppo.metric_utils import compute_throughout_metrics, compute_timing_metrics
+from verl.utils.metric import reduce_metrics
+from verl.utils.py_functional import rename_dict
+from verl.utils.tracking import Tracking
+
+from odc_plugin.verl import ab_report
+
+N_GPUS = 8
+PROMPT, RESPONSE, SEQS = 100, 400, 200  # tokens per step: 200 * 500 = 100,000
+TOKENS = SEQS * (PROMPT + RESPONSE)
+
+
+def _batch() -> DataProto:
+    return DataProto.from_dict(
+        tensors={"prompt_length": torch.full((SEQS,), float(PROMPT)),
+                 "response_length": torch.full((SEQS,), float(RESPONSE))},
+        meta_info={"global_token_num": [PROMPT + RESPONSE] * SEQS},
+    )
+
+
+def _engine_metrics(role: str, wait: float, compute: float) -> dict:
+    """What an odc engine returns for two mini-batches, reduced the way verl's trainer does."""
+    per_mini_batch = {
+        "odc/compute_s_mean": [compute, compute], "odc/compute_s_max": [1.2 * compute, 1.1 * compute],
+        "odc/wait_s_mean": [wait, wait], "odc/wait_s_max": [2 * wait, 3 * wait],
+        "odc/compute_imbalance": [1.2, 1.1], "odc/micro_batches_min": [3, 2], "odc/micro_batches_max": [5, 6],
+        "pg_loss": [np.float32(0.1), np.float32(0.2)],
+    }
+    return reduce_metrics(rename_dict(per_mini_batch, f"{role}/"))
+
+
+def write_run(path, step_s, update_actor_s, *, odc=None, val=True, update_critic_s=None):
+    """One run through verl's Tracking file logger; step 0 is a validation-only record like verl's
+    `val_before_train`, and the last step also carries validation metrics."""
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
+    try:
+        tracking = Tracking(project_name="odc_ab", experiment_name=path.stem, default_backend=["file"])
+    finally:
+        del os.environ["VERL_FILE_LOGGER_PATH"]
+    if val:
+        tracking.log(data={"val-core/openai/gsm8k/acc/mean@1": 0.3}, step=0)
+    batch = _batch()
+    for i, (step, update) in enumerate(zip(step_s, update_actor_s), 1):
+        timing_raw = {"gen": 0.5 * step, "old_log_prob": 0.05 * step, "ref": 0.05 * step, "adv": 0.01,
+                      "update_actor": update, "update_weights": 0.2, "step": step}
+        if update_critic_s is not None:
+            timing_raw["update_critic"] = update_critic_s[i - 1]
+        metrics = {"training/global_step": i, "training/epoch": 0}
+        metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))
+        metrics.update(compute_throughout_metrics(batch=batch, timing_raw=timing_raw, n_gpus=N_GPUS))
+        metrics.update(_engine_metrics("actor", **odc) if odc else
+                       reduce_metrics(rename_dict({"pg_loss": [np.float32(0.1)]}, "actor/")))
+        if i == len(step_s) and val:
+            metrics["val-core/openai/gsm8k/acc/mean@1"] = 0.5
+        tracking.log(data=metrics, step=i)
+    tracking.finish()
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path):
+    # first step: warm-up, left out by --skip-first 1
+    write_run(tmp_path / "fsdp2.jsonl", [30, 10, 12, 10, 11, 10], [20, 4, 5, 4, 4, 4])
+    write_run(tmp_path / "odc.jsonl", [30, 8, 9, 8, 8, 8], [20, 2, 2.5, 2, 2, 2], odc={"wait": 0.5, "compute": 1.5})
+    return tmp_path
+
+
+def test_files_are_verls_format(runs):
+    lines = (runs / "odc.jsonl").read_text().splitlines()
+    assert len(lines) == 7
+    record = json.loads(lines[1])
+    assert record["step"] == 1
+    for key in ("timing_s/step", "timing_s/update_actor", "perf/total_num_tokens", "perf/throughput",
+                "actor/odc/wait_s_mean", "actor/odc/compute_s_mean"):
+        assert key in record["data"], key
+
+
+def test_medians_and_speedups(runs):
+    base = ab_report.load_run(str(runs / "fsdp2.jsonl"))
+    cand = ab_report.load_run(str(runs / "odc.jsonl"))
+    assert list(base.steps) == [2, 3, 4, 5, 6]  # step 0 (validation only) and warm-up step 1 left out
+    report = ab_report.compare(base, cand)
+    rows = {r["key"]: r for r in report["rows"]}
+    assert rows["update_s"]["baseline"] == 4 and rows["update_s"]["candidate"] == 2
+    assert report["speedup_update"] == pytest.approx(2.0)
+    assert rows["step_s"]["baseline"] == 10 and rows["step_s"]["candidate"] == 8
+    assert report["speedup_end_to_end"] == pytest.approx(1.25)
+    assert rows["update_tokens_per_s"]["baseline"] == pytest.approx(TOKENS / 4)
+    assert rows["update_tokens_per_s"]["speedup"] == pytest.approx(2.0)
+    assert rows["tokens_per_s_per_gpu"]["baseline"] == pytest.approx(TOKENS / (10 * N_GPUS))
+    assert rows["tokens_per_s_per_gpu"]["speedup"] == pytest.approx(1.25)
+    assert rows["tokens_per_s"]["candidate"] == pytest.approx(TOKENS / 8)
+    assert rows["gen_s"]["speedup"] == pytest.approx(1.25)
+    # idle fraction from the odc engines' metrics only
+    assert rows["actor_idle_fraction"]["baseline"] is None
+    assert rows["actor_idle_fraction"]["candidate"] == pytest.approx(0.25)
+    assert rows["actor_odc_wait_s_max"]["candidate"] == pytest.approx(1.5)
+    assert rows["actor_odc_micro_batches_min"]["candidate"] == 2
+    assert rows["actor_odc_micro_batches_max"]["candidate"] == 6
+    assert "update_critic_s" not in rows and "critic_idle_fraction" not in rows
+
+
+def test_text_report_from_a_run_directory(runs, capsys):
+    assert ab_report.main([str(runs)]) == 0
+    out = capsys.readouterr().out
+    idle = next(line for line in out.splitlines() if line.startswith("actor idle fraction"))
+    assert idle.split()[-2:] == ["n/a", "25.0%"]
+    update = next(line for line in out.splitlines() if line.startswith("update phase s/step"))
+    assert update.split()[-3:] == ["4", "2", "2.00x"]
+    assert out.strip().splitlines()[-1] == "speedup odc over fsdp2: update phase 2.00x, end to end 1.25x"
+
+
+def test_critic_counts_in_the_update_phase(tmp_path, capsys):
+    base = write_run(tmp_path / "a.jsonl", [10, 10, 10], [4, 4, 4], update_critic_s=[2, 2, 2])
+    cand = write_run(tmp_path / "b.jsonl", [9, 9, 9], [3, 3, 3], update_critic_s=[1, 1, 1], val=False)
+    capsys.readouterr()  # verl's logger prints where it writes
+    assert ab_report.main([str(base), str(cand), "--json", "--labels", "fsdp2", "odc", "--skip-first", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["candidate"]["label"] == "odc" and report["candidate"]["steps"] == 3
+    rows = {r["key"]: r for r in report["rows"]}
+    assert (rows["update_s"]["baseline"], rows["update_s"]["candidate"]) == (6, 4)
+    assert report["speedup_update"] == pytest.approx(1.5)
+    assert rows["update_critic_s"]["speedup"] == pytest.approx(2.0)
+
+
+def test_unusable_inputs_fail_with_one_line(tmp_path, capsys):
+    assert ab_report.main([str(tmp_path / "missing.jsonl"), str(tmp_path / "other.jsonl")]) == 1
+    assert "no such metrics file" in capsys.readouterr().err
+    only_val = write_run(tmp_path / "val.jsonl", [], [])
+    write_run(tmp_path / "one.jsonl", [10], [4])
+    assert ab_report.main([str(only_val), str(tmp_path / "one.jsonl")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "0 training step(s)" in err
+    assert ab_report.main([str(tmp_path / "one.jsonl"), str(tmp_path / "one.jsonl")]) == 1
+    assert "--skip-first=1" in capsys.readouterr().err
