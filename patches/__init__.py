@@ -12,7 +12,7 @@ import importlib
 PATCHED_VERL_VERSION = "0.9.1"
 
 # Patch modules, applied in this order.
-PATCHES: tuple[str, ...] = ()
+PATCHES: tuple[str, ...] = ("lb_mini_worker", "lb_mini_dispatch")
 
 
 class PatchError(RuntimeError):

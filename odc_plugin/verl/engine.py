@@ -91,16 +91,18 @@ class _ODCEngineMixin:
         every = [torch.empty_like(mine) for _ in range(self.get_data_parallel_size())]
         dist.all_gather(every, mine, group=self.get_data_parallel_group())
         compute, wait, micro = torch.stack(every).cpu().unbind(1)
-        return {
-            "odc/compute_s_mean": compute.mean().item(),
-            "odc/compute_s_max": compute.max().item(),
-            "odc/wait_s_mean": wait.mean().item(),
-            "odc/wait_s_max": wait.max().item(),
+        values = {
+            "odc/compute_s_mean": compute.mean(),
+            "odc/compute_s_max": compute.max(),
+            "odc/wait_s_mean": wait.mean(),
+            "odc/wait_s_max": wait.max(),
             # 1.0 means perfectly balanced compute; the slowest rank sets the mini-batch's time
-            "odc/compute_imbalance": (compute.max() / compute.mean().clamp_min(1e-9)).item(),
-            "odc/micro_batches_min": micro.min().item(),
-            "odc/micro_batches_max": micro.max().item(),
+            "odc/compute_imbalance": compute.max() / compute.mean().clamp_min(1e-9),
+            "odc/micro_batches_min": micro.min(),
+            "odc/micro_batches_max": micro.max(),
         }
+        # lists, like the loss function's own per-micro-batch metrics, which verl's worker flattens
+        return {key: [value.item()] for key, value in values.items()}
 
 
 def _one_value_per_rank(metrics: dict) -> None:

@@ -1,0 +1,170 @@
+"""`TrainingWorker.train_mini_batch` steps through uneven per-rank mini-batch shares.
+
+verl 0.9.1 (`verl/workers/engine_workers.py:243-339`) cuts a rank's data into equal pieces of
+`mini_batch_size // dp` samples with `tu.make_iterator` (263-279), one optimizer step each. With LB-Mini
+(see `odc_plugin/verl/dispatch.py`) a rank holds a different number of samples of each mini-batch, and
+the dispatch tells it how many in the non-tensor field `odc_mini_batch_counts` (from the batch's
+extra_info). When that field is there, this patch slices the rank's data by those counts instead (with
+verl's own `index_select_tensor_dict`, as `make_iterator` does); the rest of a step is verl's: the
+per-sequence token counts all-gathered for MFU (292-303), the lr scheduler stepped on the last step only
+(305-310), `train_batch` per mini-batch, the profiler step, and the metrics folded over ranks and
+mini-batches as verl folds them (322-336; a metric an engine reports as one value per rank is kept as
+such instead of failing verl's flattening). `global_batch_size` stays the global mini-batch size, so the
+loss normalization is unchanged. Every rank runs the same number of optimizer steps. Without the field
+(every stock run, and ODC runs balanced by lb_micro) the original method runs unchanged.
+
+The actor reaches this through `ActorRolloutRefWorker.update_actor` (`engine_workers.py:713-715`), the
+critic through its own `TrainingWorker` worker group; both therefore train on uneven shares.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from itertools import chain
+
+from odc_patches import PatchError, require_attr, require_verl_version
+
+VERL_VERSION = "0.9.1"
+NAME = "lb_mini_worker"
+
+# Names verl's train_mini_batch uses; if they change the method was rewritten and this patch must be too.
+_ORIGINAL_USES = ("make_iterator", "train_batch", "all_gather_object", "aggregate_dp", "train_mode")
+
+
+def _original(current):
+    """verl's undecorated train_mini_batch under its `@register` (register -> tqbridge -> function)."""
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+
+    attrs = getattr(current, MAGIC_ATTR, None)
+    if not isinstance(attrs, dict) or not isinstance(attrs.get("dispatch_mode"), dict):
+        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch is no longer registered with a "
+                         f"dispatch function dict")
+    raw = getattr(getattr(current, "__wrapped__", None), "__wrapped__", None)
+    if raw is None or getattr(raw, "__qualname__", "") != "TrainingWorker.train_mini_batch":
+        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch is not wrapped as "
+                         f"register(tqbridge(function)) any more")
+    if list(inspect.signature(raw).parameters) != ["self", "data"]:
+        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch{inspect.signature(raw)} is not "
+                         f"(self, data)")
+    missing = [n for n in _ORIGINAL_USES if n not in raw.__code__.co_names]
+    if missing:
+        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch no longer uses {missing}; "
+                         f"it was rewritten, re-check the patch")
+    return attrs, raw
+
+
+def _check_helpers():
+    """What the uneven path calls besides the worker's own methods."""
+    from verl.utils import py_functional, tensordict_utils
+    from verl.utils.metric import utils as metric_utils
+    from verl.workers.engine.base import BaseEngine
+
+    for owner, name in (
+        (tensordict_utils, "index_select_tensor_dict"),
+        (tensordict_utils, "maybe_fix_3d_position_ids"),
+        (tensordict_utils, "pop"),
+        (tensordict_utils, "assign_non_tensor"),
+        (tensordict_utils, "get_tensordict"),
+        (metric_utils.Metric, "aggregate_dp"),
+        (py_functional, "append_to_dict"),
+        (BaseEngine, "train_mode"),
+        (BaseEngine, "get_data_parallel_group"),
+        (BaseEngine, "is_mp_src_rank_with_outputs"),
+    ):
+        require_attr(owner, name, NAME)
+
+
+def apply() -> None:
+    require_verl_version(NAME, VERL_VERSION)
+    from verl.single_controller.base.decorator import register
+    from verl.workers import engine_workers
+
+    current = require_attr(engine_workers.TrainingWorker, "train_mini_batch", NAME)
+    if getattr(current, "_odc_patched", False):
+        return
+    attrs, raw = _original(current)
+    _check_helpers()
+
+    @functools.wraps(raw)
+    def train_mini_batch(self, data):
+        from verl.utils import tensordict_utils as tu
+
+        from odc_plugin.verl.dispatch import COUNTS_KEY
+
+        counts = tu.pop(data, key=COUNTS_KEY, default=None)
+        if counts is None:
+            return raw(self, data)
+        return _train_by_counts(self, data, [int(c) for c in counts])
+
+    patched = register(
+        dispatch_mode=attrs["dispatch_mode"],  # the same dict: the dispatch patch edits it in place
+        execute_mode=attrs["execute_mode"],
+        blocking=attrs["blocking"],
+    )(train_mini_batch)
+    patched._odc_patched = True
+    patched._odc_original = current
+    engine_workers.TrainingWorker.train_mini_batch = patched
+
+
+def _train_by_counts(self, data, counts: list[int]):
+    """verl's train_mini_batch loop over this rank's uneven mini-batch shares (see the module docstring)."""
+    import torch
+    from tensordict import NonTensorData
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric.utils import Metric
+    from verl.utils.py_functional import append_to_dict
+
+    from odc_plugin.verl.dispatch import mini_batch_schedule
+
+    tu.maybe_fix_3d_position_ids(data)
+    disable_auto_offload = tu.pop(data, key="disable_auto_offload", default=False)
+    tu.pop(data, key="mini_batch_size", default=None)  # global; the counts say what this rank holds
+    tu.pop(data, key="num_mini_batch", default=None)
+    epochs = tu.pop(data, key="epochs", default=1)
+    seed = tu.pop(data, key="seed", default=42)
+    dataloader_kwargs = tu.pop(data, key="dataloader_kwargs", default={}) or {}
+
+    if sum(counts) != data.shape[0] or min(counts, default=0) < 1:
+        raise ValueError(f"odc: this rank holds {data.shape[0]} samples but its mini-batch counts are {counts} "
+                         f"(every mini-batch needs at least one sample on every rank)")
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    schedule = mini_batch_schedule(len(counts), epochs, seed, bool(dataloader_kwargs.get("shuffle", False)))
+    group = self.engine.get_data_parallel_group()
+
+    with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
+        outputs = []
+        for step, i in enumerate(schedule):
+            mini_batch = tu.index_select_tensor_dict(data, list(range(bounds[i], bounds[i + 1])))
+            tu.maybe_fix_3d_position_ids(mini_batch)
+            if "input_ids" in mini_batch:
+                local = mini_batch["input_ids"].offsets().diff().tolist()
+                gathered = [None] * torch.distributed.get_world_size(group)
+                torch.distributed.all_gather_object(gathered, local, group)
+                global_token_num = [n for rank in gathered for n in rank]
+            else:
+                global_token_num = None
+            tu.assign_non_tensor(
+                mini_batch,
+                global_token_num=NonTensorData(global_token_num),
+                update_lr_scheduler=step == len(schedule) - 1,
+                disable_auto_offload=True,
+            )
+            with torch.profiler.record_function(f"mini_batch{step}"):
+                outputs.append(self.train_batch(mini_batch))
+            self.profiler.step()
+
+        if not self.engine.is_mp_src_rank_with_outputs():
+            return None
+        metrics = {}
+        for output in outputs:
+            step_metrics = dict(tu.get(output, "metrics"))
+            for key, val in step_metrics.items():
+                if not isinstance(val, list):  # loss, grad_norm, lr: already one value
+                    continue
+                if val and isinstance(val[0], Metric):  # one Metric per rank -> one over ranks
+                    step_metrics[key] = Metric.aggregate_dp(val)
+                else:  # per rank, a list of micro-batch values (verl) or a single value -> one flat list
+                    step_metrics[key] = list(chain.from_iterable(v if isinstance(v, list) else [v] for v in val))
+            append_to_dict(metrics, step_metrics)
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
