@@ -35,7 +35,7 @@ RUNS = ("fsdp2+lb_micro", "odc+lb_mini")
 @dataclass
 class DemoConfig:
     ranks: int = max(2, os.cpu_count() or 2)
-    steps: int = 4
+    steps: int = 8
     model_size: str = "small"
     lengths: str | None = None  # a file of sample lengths; default: the RL math-like generator
     mini_batch_size: int = 8  # prompts per mini-batch
