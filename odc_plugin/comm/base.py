@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,18 @@ import torch
 
 class ODCTimeoutError(RuntimeError):
     """A rank waited longer than the barrier timeout; names the ranks that never arrived."""
+
+
+def poll(ready: Callable[[], bool], timeout_s: float, error: Callable[[], str]) -> None:
+    """Call `ready` with growing pauses (10 us to 1 ms) until it returns True; after `timeout_s` raise
+    ODCTimeoutError with the message `error()` builds then (it may name what is still missing)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not ready():
+        if time.monotonic() > deadline:
+            raise ODCTimeoutError(error())
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
 
 
 @dataclass(frozen=True)
@@ -67,18 +80,24 @@ class Transport(abc.ABC):
         Point-to-point: only `peer` has to have got there, nobody else.
         """
         flag = torch.empty(1, dtype=region.dtype, device=region.local.device)
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while True:
+
+        def reached() -> bool:
             self.get(region, peer, offset, flag)
-            if int(flag.item()) >= value:
-                return
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"rank {self.rank}: waited {timeout_s:g}s for {what}; rank {peer} did not get there"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            return int(flag.item()) >= value
+
+        poll(reached, timeout_s, lambda: f"rank {self.rank}: waited {timeout_s:g}s for {what}; "
+                                         f"rank {peer} did not get there")
+
+    def wait_for_arrivals(self, missing: Callable[[], list[int]], epoch: int, timeout_s: float) -> None:
+        """Poll `missing()` (the ranks not yet at barrier `epoch`) until it is empty; name them on timeout."""
+        last: list[int] = []
+
+        def arrived() -> bool:
+            last[:] = missing()
+            return not last
+
+        poll(arrived, timeout_s, lambda: f"rank {self.rank}: ODC barrier #{epoch} timed out after "
+                                         f"{timeout_s:g}s; rank(s) {last} did not arrive")
 
     def signal(self, region: Region, offset: int, value: int) -> None:
         """Set an int64 flag in this rank's own slice, after every transfer this rank issued before it."""

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import inspect
 import socket
-import time
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from .base import ODCTimeoutError, Region, Transport
+from .base import Region, Transport
 
 _BARRIER = "odc.barrier"
 
@@ -117,24 +116,16 @@ class CudaIpcTransport(Transport):
             for peer in range(self.world_size):
                 # Release store at system scope: a peer that reads this epoch also sees every write above.
                 self._kernels.store_release(self._peers[_BARRIER][peer][self.rank : self.rank + 1], self._epoch)
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while True:
+
+        def missing() -> list[int]:
             with torch.cuda.stream(self._barrier_stream):
                 self._arrivals_host.copy_(self._arrivals.local, non_blocking=True)
             self._barrier_stream.synchronize()
-            missing = [r for r in range(self.world_size) if int(self._arrivals_host[r]) < self._epoch]
-            if not missing:
-                # Every peer's adds into this rank's memory completed before its flag was released, and
-                # kernels launched from here on start after this host observation: they read final sums.
-                return
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; "
-                    f"rank(s) {missing} did not arrive"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            return [r for r in range(self.world_size) if int(self._arrivals_host[r]) < self._epoch]
+
+        # Once none is missing, every peer's adds into this rank's memory completed before its flag was
+        # released, and kernels launched from here on start after this host observation: they read final sums.
+        self.wait_for_arrivals(missing, self._epoch, timeout_s)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import ODCTimeoutError, Region, Transport
+from .base import Region, Transport, poll
 
 HEADER_BYTES = 64  # int64 fields: [0] element offset, [1] numel, [2] dtype code, [3] region id
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -355,20 +355,15 @@ class NvshmemTransport(Transport):
         """Slot q % slots is free once the owner has folded message q - slots (credit >= q - slots + 1)."""
         if q - self._credit[owner] < self.cfg.slots:
             return
-        deadline = time.monotonic() + self.stall_timeout_s
-        pause = 1e-5
-        while True:
+
+        def slot_free() -> bool:
             snap = self._progress()
             self._credit[owner] = max(self._credit[owner], snap[self._CREDIT + owner])
-            if q - self._credit[owner] < self.cfg.slots:
-                return
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"rank {self.rank}: waited {self.stall_timeout_s:g}s for a free staging slot in rank {owner}; "
-                    f"rank {owner} is not folding its inbox (it is not calling the transport)"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            return q - self._credit[owner] < self.cfg.slots
+
+        poll(slot_free, self.stall_timeout_s,
+             lambda: f"rank {self.rank}: waited {self.stall_timeout_s:g}s for a free staging slot in rank {owner}; "
+                     f"rank {owner} is not folding its inbox (it is not calling the transport)")
 
     def _snapshot(self) -> list[int]:
         # A plain read of words that peers update: it may be stale, never ahead. Anything acted upon is
@@ -402,21 +397,6 @@ class NvshmemTransport(Transport):
 
     # -- waits ------------------------------------------------------------------------------------
 
-    def wait_at_least(self, region: Region, peer: int, offset: int, value: int, timeout_s: float, what: str) -> None:
-        flag = torch.empty(1, dtype=region.dtype, device=self.device)
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while True:
-            self.get(region, peer, offset, flag)  # drives progress as well
-            if int(flag.item()) >= value:
-                return
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"rank {self.rank}: waited {timeout_s:g}s for {what}; rank {peer} did not get there"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
     def barrier(self, timeout_s: float) -> None:
         self._epoch += 1
         W, aux = self.world_size, self._aux_stream
@@ -433,34 +413,27 @@ class NvshmemTransport(Transport):
                                     self._word(self._ARRIVE + self.rank), self._epoch, self._nv.SignalOp.SIGNAL_SET,
                                     remote_pe=owner, stream=self._stream(aux))
         deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while True:
+
+        def missing() -> list[int]:
             snap = self._progress()
-            missing = [r for r in range(W) if snap[self._ARRIVE + r] < self._epoch]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; "
-                    f"rank(s) {missing} did not arrive"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            return [r for r in range(W) if snap[self._ARRIVE + r] < self._epoch]
+
+        self.wait_for_arrivals(missing, self._epoch, timeout_s)
         with torch.cuda.stream(aux):
             for r in range(W):  # acquire each arrival before reading the count that came with it
                 self._nv.signal_wait(self._word(self._ARRIVE + r), self._epoch, self._nv.ComparisonType.CMP_GE,
                                      stream=self._stream(aux))
         expect = self._snapshot()[self._EXPECT : self._EXPECT + W]  # runs on `aux`, after the waits
-        while True:
-            behind = [r for r in range(W) if self._folded[r] < expect[r]]
-            if not behind:
-                break
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; accumulates "
-                    f"from rank(s) {behind} were announced but never arrived"
-                )
+        behind: list[int] = []
+
+        def folded_all() -> bool:
             self._progress()
+            behind[:] = [r for r in range(W) if self._folded[r] < expect[r]]
+            return not behind
+
+        poll(folded_all, max(deadline - time.monotonic(), 0.0),
+             lambda: f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; accumulates "
+                     f"from rank(s) {behind} were announced but never arrived")
         # The folds are complete before the caller reads its accumulator.
         self._progress_stream.synchronize()
 

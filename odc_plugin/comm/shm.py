@@ -12,13 +12,12 @@ import fcntl
 import mmap
 import os
 import threading
-import time
 import uuid
 
 import torch
 import torch.distributed as dist
 
-from .base import ODCTimeoutError, Region, Transport
+from .base import Region, Transport
 
 _SHM_DIR = "/dev/shm"
 
@@ -100,19 +99,8 @@ class ShmTransport(Transport):
         self._epoch += 1
         self._arrivals.local[0] = self._epoch
         peers = self._peer_tensors["odc.barrier"]
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while True:
-            missing = [r for r in range(self.world_size) if int(peers[r][0]) < self._epoch]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; "
-                    f"rank(s) {missing} did not arrive"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        self.wait_for_arrivals(lambda: [r for r in range(self.world_size) if int(peers[r][0]) < self._epoch],
+                               self._epoch, timeout_s)
 
     def close(self) -> None:
         for mappings in self._mappings.values():

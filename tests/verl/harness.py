@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from odc_plugin.launch import RankFailed, run_ranks  # noqa: F401 - RankFailed is re-exported for tests
+from odc_plugin.launch import run_ranks
 
 # Defaults of the tiny model (a Qwen2 causal LM, fp32).
 TINY_QWEN2 = {
