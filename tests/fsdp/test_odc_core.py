@@ -46,7 +46,12 @@ def test_gradients_equal_single_process_reference(mb_counts, seed):
     plan = random_plan(len(seqs), mb_counts, seed)
     per_rank = run_ranks(workers.odc_grads, len(mb_counts), seqs, plan)
     expected = reference_grads(seqs)
-    for rank_grads in per_rank:
+    for rank_grads, sizes in per_rank:
+        # FSDP-like memory: the published shard and the accumulator hold this rank's shard (plus at most
+        # one row of padding per parameter), not the model
+        world = len(mb_counts)
+        assert sizes["grads_numel"] <= sizes["model_numel"] / world + sizes["padding_bound"]
+        assert sizes["params_bytes"] == 4 * sizes["grads_numel"]  # fp32 gathers
         assert rank_grads.keys() == expected.keys()
         for name, grad in rank_grads.items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
