@@ -1,4 +1,4 @@
-"""Run a function on W CPU processes joined by a gloo process group (tests, benchmarks, the demo).
+"""Run a function on W processes joined by a process group (gloo by default): tests, benchmarks, the demo.
 
 Each rank runs with one thread so that W ranks on W cores do not fight over them. Results come back
 through files (torch.save), not pipes, so a rank may return tensors and exit at once. If any rank fails,
@@ -49,7 +49,7 @@ def _resolve(fn):
     return obj
 
 
-def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup):
+def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
                       MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -58,7 +58,7 @@ def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup):
     try:
         if setup is not None:
             setup()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
         result = _resolve(fn)(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it with the traceback
@@ -71,7 +71,7 @@ def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600.0,
               pg_timeout_s: float = 120.0, failure_grace_s: float = 30.0,
-              setup: Callable[[], None] | None = None) -> list[Any]:
+              setup: Callable[[], None] | None = None, backend: str = "gloo") -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return the per-rank results.
 
     `fn` must be importable (a module-level function); `setup`, if given, runs in each rank before the
@@ -84,7 +84,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(_by_name(fn), r, world_size, port, out_dir, args, pg_timeout_s, setup))
+                             args=(_by_name(fn), r, world_size, port, out_dir, args, pg_timeout_s, setup, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

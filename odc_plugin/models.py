@@ -12,6 +12,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from .balance.costs import QWEN2_5_PRESETS
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -29,6 +31,8 @@ MODEL_SIZES = {
     "tiny": ModelSize(30, 50, 2, 5, 1, 101),
     "small": ModelSize(128, 344, 4, 4, 2, 1001),
     "base": ModelSize(256, 688, 6, 8, 2, 4001),
+    # Real shapes at random init, for GPU benchmarks.
+    **{name: ModelSize(**shape) for name, shape in QWEN2_5_PRESETS.items()},
 }
 
 
@@ -101,7 +105,7 @@ def packed_causal_attention(module, query, key, value, attention_mask, scaling=N
 def pack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate 1-D token sequences into one row: (input_ids, position_ids), each (1, total)."""
     input_ids = torch.cat(seqs)[None]
-    position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    position_ids = torch.cat([torch.arange(len(s), device=s.device) for s in seqs])[None]
     return input_ids, position_ids
 
 

@@ -1,7 +1,13 @@
-"""ODC on FSDP2 against a single-process reference and against stock FSDP2 (real gloo ranks)."""
+"""ODC on FSDP2 against a single-process reference and against stock FSDP2 (real gloo ranks).
+
+The single-process comparisons also run on a GPU when there is one: ODC over CUDA IPC, every rank a
+process on the same GPU. Stock FSDP2 itself is compared on CPU only: its collectives need NCCL on a GPU,
+and NCCL takes one rank per GPU.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
 
@@ -12,6 +18,13 @@ from odc_plugin.launch import RankFailed, run_ranks
 from odc_plugin.models import build_qwen2, token_mean_loss
 
 from . import workers
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+        reason="needs a CUDA GPU and Triton (the `gpu` extra) for the cuda_ipc transport")),
+]
 
 
 def random_plan(n_samples: int, mb_counts: list[int], seed: int) -> list[list[list[int]]]:
@@ -30,22 +43,36 @@ def random_plan(n_samples: int, mb_counts: list[int], seed: int) -> list[list[li
     return plan
 
 
-def reference_grads(seqs) -> dict[str, torch.Tensor]:
-    model = build_qwen2("tiny", seed=0)
-    token_mean_loss(model, seqs, workers.count_targets(seqs), world_size=1).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
+def reference_grads(seqs, device="cpu") -> dict[str, torch.Tensor]:
+    model = build_qwen2("tiny", seed=0).to(device)
+    token_mean_loss(model, workers.on_device(seqs, device), workers.count_targets(seqs), world_size=1).backward()
+    return {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
+def reference_train_steps(seqs, steps, device="cpu") -> dict[str, torch.Tensor]:
+    """workers.train_steps in one process on the whole batch: what every data-parallel run must match."""
+    model = build_qwen2("tiny", seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    seqs = workers.on_device(seqs, device)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        token_mean_loss(model, seqs, workers.count_targets(seqs), world_size=1).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        opt.step()
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "mb_counts,seed",
     [([5, 1], 0), ([2, 0, 3], 1), ([1, 4, 0, 2], 2)],
     ids=["2ranks-5vs1", "3ranks-one-idle", "4ranks-one-idle"],
 )
-def test_gradients_equal_single_process_reference(mb_counts, seed):
+def test_gradients_equal_single_process_reference(mb_counts, seed, device):
     seqs = workers.make_sequences(16, seed)
     plan = random_plan(len(seqs), mb_counts, seed)
-    per_rank = run_ranks(workers.odc_grads, len(mb_counts), seqs, plan)
-    expected = reference_grads(seqs)
+    per_rank = run_ranks(workers.odc_grads, len(mb_counts), seqs, plan, device)
+    expected = reference_grads(seqs, device)
     for rank_grads, sizes in per_rank:
         # FSDP-like memory: the published shard and the accumulator hold this rank's shard (plus at most
         # one row of padding per parameter), not the model
@@ -79,6 +106,17 @@ def test_parameters_equal_stock_fsdp2_after_adamw_steps(mixed_precision):
         total += value.numel()
         assert diff.max() < 1e-4, name
     assert off <= total // 1000, f"{off} of {total} weights differ beyond rtol 1e-5"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameters_equal_single_process_adamw_steps(device):
+    """Uneven micro-batch counts and an idle rank, which stock FSDP2 cannot run, against one process."""
+    seqs = workers.make_sequences(12, seed=6)
+    plan = random_plan(len(seqs), [4, 1, 0], seed=6)
+    odc = run_ranks(workers.train_steps, 3, seqs, plan, 5, True, False, device)
+    expected = reference_train_steps(seqs, 5, device)
+    for name, value in expected.items():
+        torch.testing.assert_close(odc[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_no_collective_between_begin_and_end():

@@ -1,4 +1,9 @@
-"""Per-rank bodies of the ODC core tests (module-level so spawned ranks can import them)."""
+"""Per-rank bodies of the ODC core tests (module-level so spawned ranks can import them).
+
+`device` "cpu" runs ODC over the shared-memory transport; "cuda" over CUDA IPC, each rank on GPU
+rank % device_count (all on GPU 0 when there is one). The process group is gloo either way: ODC needs
+none inside a mini-batch, and NCCL refuses several ranks on one GPU.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from odc_plugin.comm import make_transport
 from odc_plugin.fsdp import ODCConfig, apply_odc
@@ -24,24 +30,45 @@ def count_targets(seqs) -> int:
     return sum(len(s) - 1 for s in seqs)
 
 
+TRANSPORT = {"cpu": "shm", "cuda": "cuda_ipc"}
+
+
+def _full_on_cpu(tensors: dict[str, DTensor | None]) -> dict[str, torch.Tensor]:
+    """Whole tensors on CPU, gathered over gloo from CPU copies of the shards (whatever their device)."""
+    cpu_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {
+        name: DTensor.from_local(t.to_local().detach().cpu(), cpu_mesh, t.placements, shape=t.shape,
+                                 stride=t.stride()).full_tensor()
+        for name, t in tensors.items()
+    }
+
+
 def full_grads(model) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape)) for n, p in model.named_parameters()}
+    missing = {n: torch.zeros(p.shape) for n, p in model.named_parameters() if p.grad is None}
+    return _full_on_cpu({n: p.grad for n, p in model.named_parameters() if p.grad is not None}) | missing
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().float() for n, p in model.named_parameters()}
+    return {n: t.float() for n, t in _full_on_cpu(dict(model.named_parameters())).items()}
 
 
-def sharded_model(world_size: int, mixed_precision: bool = False):
-    mesh = init_device_mesh("cpu", (world_size,))
+def sharded_model(rank: int, world_size: int, mixed_precision: bool = False, device: str = "cpu"):
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh(device, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    return shard_qwen2(build_qwen2("tiny", seed=0), mesh, mp)
+    return shard_qwen2(build_qwen2("tiny", seed=0).to(device), mesh, mp)
 
 
-def odc_grads(rank, world_size, seqs, plan, timeout_s=60.0):
+def on_device(seqs, device: str) -> list[torch.Tensor]:
+    return [s.to(device) for s in seqs]
+
+
+def odc_grads(rank, world_size, seqs, plan, device="cpu", timeout_s=60.0):
     """One ODC mini-batch: this rank runs plan[rank] (a list of micro-batches of sequence indices)."""
-    model = sharded_model(world_size)
-    odc = apply_odc(model, make_transport("shm"), ODCConfig(barrier_timeout_s=timeout_s))
+    model = sharded_model(rank, world_size, device=device)
+    odc = apply_odc(model, make_transport(TRANSPORT[device]), ODCConfig(barrier_timeout_s=timeout_s))
+    seqs = on_device(seqs, device)
     global_tokens = count_targets(seqs)
     with odc.minibatch():
         for mb in plan[rank]:
@@ -52,10 +79,11 @@ def odc_grads(rank, world_size, seqs, plan, timeout_s=60.0):
     return full_grads(model), sizes
 
 
-def train_steps(rank, world_size, seqs, plan, steps, use_odc, mixed_precision):
+def train_steps(rank, world_size, seqs, plan, steps, use_odc, mixed_precision, device="cpu"):
     """`steps` AdamW steps with grad clipping; the same per-rank micro-batches every step."""
-    model = sharded_model(world_size, mixed_precision)
-    odc = apply_odc(model, make_transport("shm")) if use_odc else None
+    model = sharded_model(rank, world_size, mixed_precision, device)
+    odc = apply_odc(model, make_transport(TRANSPORT[device])) if use_odc else None
+    seqs = on_device(seqs, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     global_tokens = count_targets(seqs)
     for _ in range(steps):
@@ -86,7 +114,7 @@ def _collective_names() -> list[str]:
 
 def count_collectives_in_minibatch(rank, world_size, seqs, plan, use_odc):
     """Counts every torch.distributed collective called between begin() and end() on this rank."""
-    model = sharded_model(world_size)
+    model = sharded_model(rank, world_size)
     odc = apply_odc(model, make_transport("shm")) if use_odc else None
     calls: list[str] = []
     originals = {name: getattr(dist.distributed_c10d, name) for name in _collective_names()}
@@ -119,7 +147,7 @@ def count_collectives_in_minibatch(rank, world_size, seqs, plan, use_odc):
 def die_mid_minibatch(rank, world_size, seqs, plan, victim, timeout_s):
     import os
 
-    model = sharded_model(world_size)
+    model = sharded_model(rank, world_size)
     odc = apply_odc(model, make_transport("shm"), ODCConfig(barrier_timeout_s=timeout_s))
     global_tokens = count_targets(seqs)
     odc.begin()
