@@ -7,10 +7,15 @@ calibration measured).
 
 from __future__ import annotations
 
+import json
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
+
+import numpy as np
 
 
 class CostModel(ABC):
@@ -144,13 +149,95 @@ class FitCost(CostModel):
     def __call__(self, seqlen: int) -> float:
         return self.a * seqlen * seqlen + self.b * seqlen
 
+    @classmethod
+    def from_file(cls, path: str | Path) -> FitCost:
+        """The per-layer fit of a CostCalibration file (benchmarks/calibrate_cost.py)."""
+        calibration = CostCalibration.load(path)
+        return cls(calibration.a, calibration.b)
+
+
+def fit_quadratic(seqlens: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Non-negative (a, b) of t(s) = a * s^2 + b * s with the least squared relative error over the points.
+
+    Relative, not absolute: a 32k sequence takes 64 to 4096 times as long as a 512 one, and an absolute
+    fit would let the long sequences' noise decide b, the term that dominates short sequences.
+    """
+    s, t = np.asarray(seqlens, dtype=float), np.asarray(times, dtype=float)
+    if s.ndim != 1 or s.shape != t.shape:
+        raise ValueError(f"fit_quadratic needs one time per sequence length, got {len(s)} lengths and {len(t)} times")
+    if (s <= 0).any() or (t <= 0).any():
+        raise ValueError("fit_quadratic needs positive sequence lengths and times")
+    if len(np.unique(s)) < 2:
+        raise ValueError("fit_quadratic needs at least two distinct sequence lengths")
+    # Dividing each row by its t turns the residual a*s^2/t + b*s/t - 1 into the relative error.
+    x = np.stack([s * s, s], axis=1) / t[:, None]
+    ones = np.ones_like(t)
+    coef = np.linalg.lstsq(x, ones, rcond=None)[0]
+    if (coef < 0).any():
+        # The constrained optimum then lies on a = 0 or b = 0; either one-coefficient fit is positive
+        # because x and the target are, so the better of the two is the non-negative least squares answer.
+        a_only, b_only = (x[:, i].sum() / (x[:, i] @ x[:, i]) for i in range(2))
+        edges = [np.array([a_only, 0.0]), np.array([0.0, b_only])]
+        coef = min(edges, key=lambda c: float(np.sum((x @ c - ones) ** 2)))
+    return float(coef[0]), float(coef[1])
+
+
+@dataclass(frozen=True)
+class CostCalibration:
+    """What benchmarks/calibrate_cost.py measured: forward+backward seconds of one decoder layer of `model`
+    (a QWEN2_5_PRESETS name; `layer` is the shape actually timed) on `device`, and their fit a*s^2 + b*s."""
+
+    model: str
+    device: str
+    dtype: str
+    a: float
+    b: float
+    unit: str
+    points: list[list[float]]  # [seqlen, seconds], measured
+    max_rel_error: float  # of the fit over the points
+    layer: dict[str, int]
+
+    UNIT: ClassVar[str] = "seconds per layer"
+
+    @property
+    def num_hidden_layers(self) -> int | None:
+        """The layer count of the preset this calibration is named after (None if not a preset)."""
+        return QWEN2_5_PRESETS.get(self.model, {}).get("num_hidden_layers")
+
+    def save(self, path: str | Path) -> None:
+        # One key per line with compact values keeps the checked-in files short and readable in a diff.
+        items = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in asdict(self).items())
+        Path(path).write_text(f"{{\n{items}\n}}\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostCalibration:
+        where = f"cost calibration {str(path)!r}"
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ValueError(f"{where} cannot be read: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not JSON: {e}") from None
+        if not isinstance(data, dict):
+            # A ValueError like every other bad file, so that callers report it the same way.
+            raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}")
+        for key in ("a", "b"):
+            if isinstance(data[key], bool) or not isinstance(data[key], numbers.Real) or data[key] < 0:
+                raise ValueError(f"{where}: {key} must be a number >= 0, got {data[key]!r}")
+        if data["unit"] != cls.UNIT:
+            raise ValueError(f"{where}: unit must be {cls.UNIT!r}, got {data['unit']!r}")
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
 
 COST_MODELS = {m.name: m for m in (TokenCost, FlopsCost, FitCost)}
 
 
 def get_cost_model(cost: str | CostModel = "tokens", **kwargs: Any) -> CostModel:
     """A cost model from its name: "tokens"; "flops" (model=preset name, dict or PretrainedConfig, default
-    Qwen2.5-7B); "fit" (a=..., b=...). A CostModel instance is returned as is."""
+    Qwen2.5-7B); "fit" (a=..., b=..., or file=a CostCalibration JSON). A CostModel instance is returned as is."""
     if isinstance(cost, CostModel):
         if kwargs:
             raise ValueError(f"options {sorted(kwargs)} given with an already built cost model {cost}")
@@ -160,6 +247,8 @@ def get_cost_model(cost: str | CostModel = "tokens", **kwargs: Any) -> CostModel
     try:
         if cost == "flops":
             return FlopsCost.from_config(kwargs.pop("model", "Qwen2.5-7B"), **kwargs)
+        if cost == "fit" and "file" in kwargs:
+            return FitCost.from_file(kwargs.pop("file"), **kwargs)
         return COST_MODELS[cost](**kwargs)
     except TypeError as e:
         raise ValueError(f"bad options for the {cost!r} cost model: {e}") from None

@@ -7,6 +7,7 @@ reduction) is the same in all three and left out.
 
     odc-plan --lengths rl --cost flops --model Qwen2.5-7B
     odc-plan --lengths data.parquet:num_tokens --ranks 16 32 --minibatch-sizes 512 --json
+    odc-plan --cost fit --fit-file configs/cost_fit/Qwen2.5-7B-nvidia-h100-80gb-hbm3.json
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from odc_plugin.balance.common import RankPlan, balance_efficiency
-from odc_plugin.balance.costs import QWEN2_5_PRESETS, CostModel, get_cost_model
+from odc_plugin.balance.costs import QWEN2_5_PRESETS, CostCalibration, CostModel, FitCost, get_cost_model
 from odc_plugin.balance.lb_micro import lb_micro
 from odc_plugin.balance.lb_mini import lb_mini
 from odc_plugin.balance.lengths import load_lengths, rl_math_like, sft_long_context_like
@@ -248,10 +249,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--fit-a", type=float, help="for --cost fit: a in a*s^2 + b*s")
     p.add_argument("--fit-b", type=float, help="for --cost fit: b in a*s^2 + b*s")
     p.add_argument(
+        "--fit-file",
+        metavar="FILE.json",
+        help="for --cost fit, instead of --fit-a/--fit-b: benchmarks/calibrate_cost.py's per-layer fit, "
+        "times --num-layers (default: the layers of the file's model)",
+    )
+    p.add_argument(
         "--throughput", type=float, help="cost units per second; default 4e14 for flops (H100, ~40%% MFU), else 1"
     )
     p.add_argument("--layer-comm-bytes", type=float, default=0.0, help="per layer and micro-batch; 0: compute only")
-    p.add_argument("--num-layers", type=int, help="default: the model's for --cost flops")
+    p.add_argument("--num-layers", type=int, help="default: the model's for --cost flops and --fit-file")
     p.add_argument("--intra-node-bw", type=float, default=200e9, help="bytes/s per GPU inside a node")
     p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU across nodes")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -263,16 +270,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot speedup and idle fraction")
     args = p.parse_args(argv)
-    if args.cost == "fit" and (args.fit_a is None or args.fit_b is None):
-        p.error("--cost fit needs --fit-a and --fit-b")
+    if args.cost == "fit" and args.fit_file and (args.fit_a is not None or args.fit_b is not None):
+        p.error("--cost fit takes --fit-file or --fit-a and --fit-b, not both")
+    if args.cost == "fit" and not args.fit_file and (args.fit_a is None or args.fit_b is None):
+        p.error("--cost fit needs --fit-file, or --fit-a and --fit-b")
+    num_layers = args.num_layers
     try:
-        cost = get_cost_model(
-            args.cost, **{"flops": {"model": args.model}, "fit": {"a": args.fit_a, "b": args.fit_b}}.get(args.cost, {})
-        )
+        if args.cost == "fit" and args.fit_file:
+            calibration = CostCalibration.load(args.fit_file)
+            num_layers = num_layers or calibration.num_hidden_layers
+            if not num_layers:
+                raise ValueError(f"{args.fit_file}: model {calibration.model!r} is not a preset; give --num-layers")
+            # Whole-model seconds per sequence, as --fit-a/--fit-b give them, so the throughput stays 1.
+            cost = FitCost(calibration.a * num_layers, calibration.b * num_layers)
+        else:
+            cost = get_cost_model(
+                args.cost,
+                **{"flops": {"model": args.model}, "fit": {"a": args.fit_a, "b": args.fit_b}}.get(args.cost, {}),
+            )
         model = StepTimeModel(
             throughput=args.throughput or (4e14 if args.cost == "flops" else 1.0),
             layer_comm_bytes=args.layer_comm_bytes,
-            num_layers=args.num_layers or getattr(cost, "num_hidden_layers", 0),
+            num_layers=num_layers or getattr(cost, "num_hidden_layers", 0),
             intra_node_bw=args.intra_node_bw,
             inter_node_bw=args.inter_node_bw,
             gpus_per_node=args.gpus_per_node,

@@ -64,7 +64,7 @@ def test_cli_lengths_file_and_errors(tmp_path, capsys):
     main(["--lengths", str(tmp_path / "l.txt"), "--ranks", "4", "--minibatch-sizes", "16", "--draws", "1", "--json"])
     assert json.loads(capsys.readouterr().out)["max_token_len"] == 16384
     for argv, message in [
-        (["--cost", "fit"], "--cost fit needs --fit-a and --fit-b"),
+        (["--cost", "fit"], "--cost fit needs --fit-file, or --fit-a and --fit-b"),
         (["--lengths", str(tmp_path / "none.txt")], "not found"),
         (["--ranks", "3", "--minibatch-sizes", "8"], "no mini-batch size divides evenly"),
         (["--max-token-len", "100"], "more than max_token_len=100"),
