@@ -14,7 +14,6 @@ log-prob / value inference alike):
 from __future__ import annotations
 
 import contextlib
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -69,8 +68,9 @@ class _ODCEngineMixin:
         outputs = []
         self.odc.begin(backward=not forward_only)
         for i, micro_batch in enumerate(micro_batches):
-            sync = nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=i == len(micro_batches) - 1)
-            with torch.no_grad() if forward_only else nullcontext(), sync:
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=last)
+            with torch.no_grad() if forward_only else contextlib.nullcontext(), sync:
                 loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
                 if not forward_only:
                     (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from odc_plugin.comm import ODCTimeoutError, make_transport
+from odc_plugin.comm import make_transport
 
 
 def concurrent_accumulate(rank, world_size, rounds):
@@ -26,17 +26,6 @@ def concurrent_accumulate(rank, world_size, rounds):
     out = {"acc": acc.local.clone(), "pulled": pulled}
     t.close()
     return out
-
-
-def late_rank(rank, world_size, late):
-    t = make_transport("shm")
-    if rank == late:
-        return "skipped the barrier"
-    try:
-        t.barrier(1.0)
-    except ODCTimeoutError as e:
-        return str(e)
-    return "no error"
 
 
 def bad_ranges(rank, world_size):

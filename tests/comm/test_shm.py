@@ -5,7 +5,7 @@ import torch
 from odc_plugin.comm import make_transport
 from odc_plugin.launch import run_ranks
 
-from . import shm_workers
+from . import shm_workers, transport_workers
 
 
 def test_concurrent_accumulates_lose_nothing_and_gets_read_peers():
@@ -19,7 +19,7 @@ def test_concurrent_accumulates_lose_nothing_and_gets_read_peers():
 
 
 def test_barrier_timeout_names_the_missing_rank():
-    results = run_ranks(shm_workers.late_rank, 3, 2)
+    results = run_ranks(transport_workers.late_rank, 3, "shm", 2)
     for rank in (0, 1):
         assert results[rank] == f"rank {rank}: ODC barrier #1 timed out after 1s; rank(s) [2] did not arrive"
 

@@ -1,7 +1,8 @@
-"""Per-rank bodies of the GPU transport tests (module-level so that spawned ranks can import them).
+"""Per-rank bodies of the transport tests (module-level so that spawned ranks can import them).
 
-`conformance` runs the same checks for any transport kind; the GPU tests call it for cuda_ipc (several
-processes on one GPU, or one GPU each when there are several) and nvshmem (one PE, loopback).
+`conformance` runs the same checks for any GPU transport kind; the GPU tests call it for cuda_ipc
+(several processes on one GPU, or one GPU each when there are several) and nvshmem (one PE, loopback).
+`late_rank` serves every kind, shm included.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def conformance(rank, world_size, kind, options):
 
 
 def late_rank(rank, world_size, kind, late):
-    _use_gpu(rank)
+    if kind != "shm":
+        _use_gpu(rank)
     t = make_transport(kind)
     if rank == late:
         return "skipped the barrier"

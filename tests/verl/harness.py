@@ -443,33 +443,20 @@ def build_engine(
     engine_cfg = _engine_config(engine_config_cls, strategy, forward_only, engine_kwargs)
     optim_cfg = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, **(optim_kwargs or {}))
 
-    rk = dict(role_kwargs or {})
+    role_args = {
+        "strategy": strategy,
+        "rollout_n": 1,
+        "ppo_mini_batch_size": 1,
+        "use_dynamic_bsz": use_dynamic_bsz,
+        "ppo_max_token_len_per_gpu": max_token_len_per_gpu,
+        "ppo_micro_batch_size_per_gpu": micro_batch_size_per_gpu,
+        "optim": optim_cfg,
+        **(role_kwargs or {}),
+    }
     if model_type == "language_model":
-        role_cfg = FSDPActorConfig(
-            strategy=strategy,
-            rollout_n=rk.pop("rollout_n", 1),
-            ppo_mini_batch_size=rk.pop("ppo_mini_batch_size", 1),
-            use_dynamic_bsz=use_dynamic_bsz,
-            ppo_max_token_len_per_gpu=max_token_len_per_gpu,
-            ppo_micro_batch_size_per_gpu=micro_batch_size_per_gpu,
-            use_torch_compile=False,
-            fsdp_config=engine_cfg,
-            optim=optim_cfg,
-            **rk,
-        )
+        role_cfg = FSDPActorConfig(use_torch_compile=False, fsdp_config=engine_cfg, **role_args)
     else:
-        role_cfg = FSDPCriticConfig(
-            strategy=strategy,
-            rollout_n=rk.pop("rollout_n", 1),
-            ppo_mini_batch_size=rk.pop("ppo_mini_batch_size", 1),
-            use_dynamic_bsz=use_dynamic_bsz,
-            ppo_max_token_len_per_gpu=max_token_len_per_gpu,
-            ppo_micro_batch_size_per_gpu=micro_batch_size_per_gpu,
-            fsdp=engine_cfg,
-            optim=optim_cfg,
-            model=model_config,
-            **rk,
-        )
+        role_cfg = FSDPCriticConfig(fsdp=engine_cfg, model=model_config, **role_args)
     engine_cfg = role_cfg.engine  # same object; its strategy now equals the role strategy
 
     # What ActorRolloutRefWorker.init_model / PPOTrainer._setup assign before building the worker.
