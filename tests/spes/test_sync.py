@@ -1,0 +1,158 @@
+"""SPES across real node processes (gloo): what a sync leaves on every node, what it moves, and that
+with H = 1 each mode is the single-process math it claims to be."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from odc_plugin.launch import RankFailed, run_ranks
+from odc_plugin.spes import SPESConfig, assign_experts, merge_alpha, merge_experts, moe_layers, split_experts
+from odc_plugin.spes.models import build_olmoe, lm_loss
+from odc_plugin.spes.sync import allreduce_bytes
+
+from . import workers
+
+
+def expert_of(name: str) -> int | None:
+    return int(name.rsplit(".", 1)[1]) if ".mlp.experts." in name else None
+
+
+def reference_model():
+    return split_experts(build_olmoe("test", seed=0))
+
+
+def shared_and_expert_bytes() -> tuple[int, int]:
+    sizes = {"shared": 0, "experts": 0}
+    for name, p in reference_model().named_parameters():
+        sizes["experts" if expert_of(name) is not None else "shared"] += p.numel() * 4
+    return sizes["shared"], sizes["experts"]
+
+
+def expected_after_sync(befores: list[dict], alpha: float, topk: int) -> dict[str, torch.Tensor]:
+    """Shared parameters: the mean of the nodes' copies; experts: their owner's copy; then the merge,
+    done in one process on whole tensors."""
+    nodes = len(befores)
+    num_experts = moe_layers(reference_model())[0].num_experts
+    expected = {}
+    for name in befores[0]:
+        e = expert_of(name)
+        if e is None:
+            expected[name] = torch.stack([b[name] for b in befores]).mean(0)
+        else:
+            owner = next(q for q in range(nodes) if e in assign_experts(num_experts, nodes, q))
+            expected[name] = befores[owner][name]
+    if alpha > 0:
+        model = reference_model()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(expected[name])
+        merge_experts(moe_layers(model), alpha, topk)
+        expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return expected
+
+
+def check_syncs(results, config: SPESConfig, nodes: int, ranks_per_node: int):
+    heads = [r for r in results if "before" in r["syncs"][0]]  # local rank 0 of each node, in node order
+    assert [h["node"] for h in heads] == list(range(nodes))
+    shared_bytes, expert_bytes = shared_and_expert_bytes()
+    per_sync = allreduce_bytes(shared_bytes, nodes) + (nodes - 1) * expert_bytes // nodes
+    for i, sync in enumerate(heads[0]["syncs"]):
+        step = sync["record"].step
+        expected = expected_after_sync([h["syncs"][i]["before"] for h in heads], merge_alpha(step, config),
+                                       config.merge_topk)
+        for h in heads:
+            after = h["syncs"][i]["after"]
+            for name, want in expected.items():
+                assert torch.equal(after[name], heads[0]["syncs"][i]["after"][name]), (step, h["node"], name)
+                if expert_of(name) is not None or nodes == 2:  # a mean of two is exact in any order
+                    assert torch.equal(after[name], want), (step, name)
+                else:  # the ring sums in its own order
+                    torch.testing.assert_close(after[name], want, rtol=1e-6, atol=1e-7)
+        for node in range(nodes):
+            ranks = results[node * ranks_per_node : (node + 1) * ranks_per_node]
+            assert sum(r["syncs"][i]["record"].sent for r in ranks) == per_sync
+            assert sum(r["syncs"][i]["record"].received for r in ranks) == per_sync
+
+
+def check_frozen(results, nodes: int, ranks_per_node: int):
+    shared_bytes, expert_bytes = shared_and_expert_bytes()
+    for node in range(nodes):
+        ranks = results[node * ranks_per_node : (node + 1) * ranks_per_node]
+        assert all(r["frozen_grads"] == 0 and r["frozen_opt_state"] == 0 for r in ranks)
+        # what the node trains: the shared parameters and its own experts, nothing else
+        assert sum(r["trainable"] for r in ranks) * 4 == shared_bytes + expert_bytes // nodes
+        for r in ranks:
+            state = r["state"]
+            assert state.counted == r["trainable"] * 4 * 4  # param, grad, two Adam moments
+            # plus one 4-byte step counter per trained tensor and nothing for frozen ones
+            assert state.measured == state.counted + 4 * r["opt_state_params"]
+
+
+def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
+    config = SPESConfig(sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2,
+                        sync_timeout_s=60)
+    results = run_ranks(workers.train_and_sync, 4, 1, "none", config, 4)
+    assert [r["syncs"][i]["record"].merge_alpha for r in results[:1] for i in range(2)] == [0.0, 0.25]
+    check_syncs(results, config, nodes=4, ranks_per_node=1)
+    check_frozen(results, nodes=4, ranks_per_node=1)
+
+
+def test_two_nodes_of_two_odc_ranks_train_and_keep_the_invariants():
+    config = SPESConfig(sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2,
+                        sync_timeout_s=60)
+    results = run_ranks(workers.train_and_sync, 4, 2, "odc", config, 6)
+    check_syncs(results, config, nodes=2, ranks_per_node=2)
+    check_frozen(results, nodes=2, ranks_per_node=2)
+    for r in results:
+        assert sum(r["losses"][-2:]) < sum(r["losses"][:2]) - 0.2, r["losses"]
+
+
+def reference_sgd(mode: str, nodes: int, steps: int, lr: float) -> list[dict[str, torch.Tensor]]:
+    """One process: each node's gradient from its own batch, combined as the mode says (the mean; in
+    spes an expert's gradient is its owner's alone), then one SGD-with-momentum step."""
+    model = reference_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    num_experts = moe_layers(model)[0].num_experts
+    snapshots = []
+    for step in range(1, steps + 1):
+        per_node = []
+        for node in range(nodes):
+            model.zero_grad(set_to_none=False)
+            lm_loss(model, workers.tokens(step, node)).backward()
+            per_node.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        for name, p in model.named_parameters():
+            e = expert_of(name)
+            if mode == "spes" and e is not None:
+                p.grad = per_node[e // (num_experts // nodes)][name]
+            else:
+                p.grad = torch.stack([g[name] for g in per_node]).mean(0)
+        opt.step()
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return snapshots
+
+
+def test_with_h1_each_mode_is_its_single_process_math():
+    nodes, steps, lr = 2, 3, 0.05
+    results = run_ranks(workers.sgd_every_mode, nodes, steps, lr)
+    for mode in ("centralized", "fedavg", "spes"):
+        for step, want in enumerate(reference_sgd(mode, nodes, steps, lr)):
+            for node in range(nodes):
+                got = results[node][mode][step]
+                for name in want:
+                    torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"{mode} step {step + 1} node {node} {name}: {m}")
+
+
+def test_a_node_dying_mid_sync_ends_every_node_with_a_clear_error():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_ranks(workers.die_mid_sync, 3, 2, 20.0, failure_grace_s=40)
+    message = str(info.value)
+    assert time.monotonic() - start < 90
+    assert "rank 2: exited with code 17" in message
+    for node in (0, 1):
+        assert (f"SPESSyncError: node {node} (local rank 0): spes sync at step 1 failed in the expert exchange"
+                in message), message
