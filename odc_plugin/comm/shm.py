@@ -8,6 +8,7 @@ the lock if its holder dies, so a killed rank cannot wedge the others.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -17,7 +18,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .base import Region, Transport
+from .base import ODCTimeoutError, Region, Transport, poll
 
 _SHM_DIR = "/dev/shm"
 
@@ -62,14 +63,26 @@ class ShmTransport(Transport):
         if name in self._mappings:
             raise ValueError(f"region '{name}' is already allocated")
         nbytes = max(numel * dtype.itemsize, 1)
-        path = f"{self._prefix}-{name}-r{{}}"
-        own = _Mapping(path.format(self.rank), nbytes, create=True)
-        dist.barrier(group=self.group)
-        mappings = [own if r == self.rank else _Mapping(path.format(r), nbytes, create=False) for r in range(self.world_size)]
-        # Once every rank holds every mapping, the names are no longer needed: unlinking now means a crash
-        # leaves nothing behind in /dev/shm.
-        dist.barrier(group=self.group)
-        os.unlink(path.format(self.rank))
+        paths = [f"{self._prefix}-{name}-r{r}" for r in range(self.world_size)]
+        mappings: list[_Mapping] = []
+        try:
+            mappings.append(_Mapping(paths[self.rank], nbytes, create=True))
+            dist.barrier(group=self.group)
+            mappings = [mappings[0] if r == self.rank else _Mapping(paths[r], nbytes, create=False)
+                        for r in range(self.world_size)]
+            dist.barrier(group=self.group)
+        except Exception as e:
+            for m in mappings:
+                m.close()
+            raise RuntimeError(f"rank {self.rank}: setting up shared-memory region '{name}' failed "
+                               f"(did a peer die?): {e}") from e
+        finally:
+            # Once every rank holds every mapping the names are no longer needed, and unlinking now means
+            # a crash leaves nothing behind in /dev/shm. Every rank unlinks every name, so that a peer
+            # dying before it unlinked its own file, or before its peers mapped it, leaves none either.
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         self._mappings[name] = mappings
         self._peer_tensors[name] = [m.tensor(dtype, numel) for m in mappings]
         return Region(name, numel, dtype, self._peer_tensors[name][self.rank])
@@ -82,25 +95,49 @@ class ShmTransport(Transport):
     def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
         n = src.numel()
         self._check_range(region, peer, offset, n)
-        fd = self._mappings[region.name][peer].fd
         itemsize = region.dtype.itemsize
         dst = self._peer_tensors[region.name][peer][offset : offset + n]
+        with self._locked(self._mappings[region.name][peer].fd, offset * itemsize, n * itemsize):
+            dst.add_(src.reshape(-1))
+
+    @contextlib.contextmanager
+    def _locked(self, fd: int, start: int, nbytes: int):
         with self._thread_lock:
-            fcntl.lockf(fd, fcntl.LOCK_EX, n * itemsize, offset * itemsize, os.SEEK_SET)
+            fcntl.lockf(fd, fcntl.LOCK_EX, nbytes, start, os.SEEK_SET)
             try:
-                dst.add_(src.reshape(-1))
+                yield
             finally:
-                fcntl.lockf(fd, fcntl.LOCK_UN, n * itemsize, offset * itemsize, os.SEEK_SET)
+                fcntl.lockf(fd, fcntl.LOCK_UN, nbytes, start, os.SEEK_SET)
 
     def barrier(self, timeout_s: float) -> None:
-        # Each rank bumps its own arrival counter and polls everyone else's. Accumulates finished under
-        # their lock before the bump; unlocking is a system call, so the adds are in memory before any
-        # peer can see the new counter.
+        # Each rank writes its arrival (the epoch) into its own word and polls everyone else's. A rank
+        # that times out writes -epoch instead: it gave up, and a rank arriving after that must fail here
+        # rather than pass a barrier its peers have left. Arriving and the final decision (pass, give up
+        # or fail) happen under one lock, so a late arrival is either seen by the rank that would give up,
+        # or sees that it gave up. Accumulates finished under their own lock before the arrival;
+        # unlocking is a system call, so the adds are in memory before any peer can see the epoch.
         self._epoch += 1
-        self._arrivals.local[0] = self._epoch
-        peers = self._peer_tensors["odc.barrier"]
-        self.wait_for_arrivals(lambda: [r for r in range(self.world_size) if int(peers[r][0]) < self._epoch],
-                               self._epoch, timeout_s)
+        epoch, words = self._epoch, [t[0] for t in self._peer_tensors["odc.barrier"]]
+        decision_lock = (self._mappings["odc.barrier"][0].fd, 0, 8)
+        with self._locked(*decision_lock):
+            self._arrivals.local[0] = epoch
+
+        def missing() -> list[int]:
+            return [r for r, word in enumerate(words) if 0 <= int(word) < epoch]
+
+        with contextlib.suppress(ODCTimeoutError):
+            poll(lambda: not missing(), timeout_s, lambda: "")
+        with self._locked(*decision_lock):
+            late = missing()
+            gave_up = [r for r, word in enumerate(words) if int(word) < 0]
+            if late:
+                self._arrivals.local[0] = -epoch
+        if late:
+            raise ODCTimeoutError(f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; "
+                                  f"rank(s) {late} did not arrive")
+        if gave_up:
+            raise ODCTimeoutError(f"rank {self.rank}: ODC barrier #{epoch} failed: rank(s) {gave_up} timed out "
+                                  f"waiting at it and gave up before every rank arrived")
 
     def close(self) -> None:
         for mappings in self._mappings.values():

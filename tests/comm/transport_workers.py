@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -99,12 +100,16 @@ def conformance(rank, world_size, kind, options):
     return {"gets": gets_ok, "first": first, "second": second}
 
 
-def late_rank(rank, world_size, kind, late):
+def late_rank(rank, world_size, kind, late, late_by_s=None):
+    """The other ranks wait 1 s at a barrier for rank `late`, which skips it (`late_by_s` None) or
+    reaches it `late_by_s` seconds after them. Returns each rank's error message, or "no error"."""
     if kind != "shm":
         _use_gpu(rank)
     t = make_transport(kind)
     if rank == late:
-        return "skipped the barrier"
+        if late_by_s is None:
+            return "skipped the barrier"
+        time.sleep(late_by_s)
     try:
         t.barrier(1.0)
     except ODCTimeoutError as e:
