@@ -51,7 +51,8 @@ class ShmTransport(Transport):
         self.group = group
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        self._prefix = os.path.join(_SHM_DIR, f"odc-{token[0]}")
+        # Where this transport's files live in /dev/shm, and only while a region is being set up.
+        self.path_prefix = os.path.join(_SHM_DIR, f"odc-{token[0]}")
         self._mappings: dict[str, list[_Mapping]] = {}
         self._peer_tensors: dict[str, list[torch.Tensor]] = {}
         # Record locks belong to the process, not the thread: threads of one rank exclude each other here.
@@ -63,7 +64,7 @@ class ShmTransport(Transport):
         if name in self._mappings:
             raise ValueError(f"region '{name}' is already allocated")
         nbytes = max(numel * dtype.itemsize, 1)
-        paths = [f"{self._prefix}-{name}-r{r}" for r in range(self.world_size)]
+        paths = [f"{self.path_prefix}-{name}-r{r}" for r in range(self.world_size)]
         mappings: list[_Mapping] = []
         try:
             mappings.append(_Mapping(paths[self.rank], nbytes, create=True))
@@ -74,8 +75,8 @@ class ShmTransport(Transport):
         except Exception as e:
             for m in mappings:
                 m.close()
-            raise RuntimeError(f"rank {self.rank}: setting up shared-memory region '{name}' failed "
-                               f"(did a peer die?): {e}") from e
+            raise RuntimeError(f"rank {self.rank}: setting up shared-memory region '{name}' "
+                               f"({self.path_prefix}-{name}-r*) failed (did a peer die?): {e}") from e
         finally:
             # Once every rank holds every mapping the names are no longer needed, and unlinking now means
             # a crash leaves nothing behind in /dev/shm. Every rank unlinks every name, so that a peer

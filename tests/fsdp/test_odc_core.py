@@ -7,8 +7,10 @@ and NCCL takes one rank per GPU.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import random
+import re
 import time
 
 import pytest
@@ -140,3 +142,17 @@ def test_killed_rank_makes_the_others_time_out_naming_it():
     for survivor in (0, 2):
         assert f"ODCTimeoutError: rank {survivor}: ODC barrier #1 timed out after 3s; rank(s) [1] did not arrive" in message
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("stage,victim", [("make_transport", 0), ("apply_odc", 1)])
+def test_rank_killed_during_setup_leaves_no_shared_memory_files(stage, victim):
+    with pytest.raises(RankFailed) as info:
+        run_ranks(workers.die_during_setup, 3, victim, stage, timeout_s=120, failure_grace_s=20)
+    message = str(info.value).splitlines()[0]  # every rank's error, then the first one's traceback
+    assert re.search(rf"rank {victim}( failed)?: exited with code 17 and left no result", message), message
+    prefixes = set(re.findall(r"RuntimeError: rank \d: setting up shared-memory region '[\w.]+' \((/dev/shm/odc-\w+)-",
+                              message))
+    # every survivor's set-up failed, naming the files it was setting up; none of them is left
+    assert len(re.findall(r"setting up shared-memory region", message)) == 2, message
+    assert len(prefixes) == 1, message
+    assert glob.glob(f"{prefixes.pop()}*") == []

@@ -158,3 +158,41 @@ def die_mid_minibatch(rank, world_size, seqs, plan, victim, timeout_s):
         loss.backward()
     odc.end()
     return "unreachable"
+
+
+def _exit_when_created(pattern: str, code: int = 17) -> None:
+    """Kill this process, from a watcher thread, the moment a file matching `pattern` exists."""
+    import glob
+    import os
+    import threading
+    import time
+
+    def watch():
+        while not glob.glob(pattern):
+            time.sleep(1e-4)
+        os._exit(code)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def die_during_setup(rank, world_size, victim, stage):
+    """`victim` dies the moment its own file of the first region `stage` ("make_transport" or
+    "apply_odc") sets up appears in /dev/shm: its peers come 1 s later, so it dies between creating the
+    file and mapping its peers'. The survivors' set-up must fail and leave no file behind."""
+    import time
+
+    if stage == "make_transport":
+        if rank == victim:
+            _exit_when_created(f"/dev/shm/odc-*-odc.barrier-r{victim}")
+        else:
+            time.sleep(1.0)
+        make_transport("shm")
+        return "set up"
+    model = sharded_model(rank, world_size)
+    transport = make_transport("shm")
+    if rank == victim:
+        _exit_when_created(f"{transport.path_prefix}-odc.params-r{victim}")
+    else:
+        time.sleep(1.0)
+    apply_odc(model, transport)
+    return "set up"
