@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from .config import SPESConfig
 from .experts import assign_experts, local_tensor, moe_layers
@@ -55,6 +56,7 @@ class NodeSync:
 
     def __init__(self, model: nn.Module, layout: NodeLayout, config: SPESConfig):
         self.model, self.layout, self.config = model, layout, config
+        self._reshard()
         self.layers = moe_layers(model)
         self.num_experts = self.layers[0].num_experts
         self.records: list[CommRecord] = []
@@ -101,6 +103,7 @@ class NodeSync:
     @torch.no_grad()
     def sync(self, step: int) -> CommRecord:
         start = time.perf_counter()
+        self._reshard()
         with self._failures(step, "shared-parameter average"):
             sent = received = self.average_shared()
         with self._failures(step, "expert exchange"):
@@ -132,6 +135,14 @@ class NodeSync:
                 self._unflatten(chunk, [local_tensor(p) for p in self.experts_of[q]])
         moved = (nodes - 1) * own.numel() * own.element_size()
         return moved, moved
+
+    def _reshard(self) -> None:
+        # An FSDP root keeps its parameters gathered after a forward without backward (an evaluation),
+        # and the model then shows those copies instead of the shards: the sync must read and write
+        # the shards, and the next forward must gather them anew.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def total_bytes(self) -> tuple[int, int]:
         return sum(r.sent for r in self.records), sum(r.received for r in self.records)

@@ -100,14 +100,16 @@ def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
     check_frozen(results, nodes=4, ranks_per_node=1)
 
 
-def test_two_nodes_of_two_odc_ranks_train_and_keep_the_invariants():
+def test_two_nodes_of_two_ranks_with_odc_or_fsdp2_inside_train_and_keep_the_invariants():
     config = SPESConfig(sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2,
                         sync_timeout_s=60)
-    results = run_ranks(workers.train_and_sync, 4, 2, "odc", config, 6)
-    check_syncs(results, config, nodes=2, ranks_per_node=2)
-    check_frozen(results, nodes=2, ranks_per_node=2)
-    for r in results:
-        assert sum(r["losses"][-2:]) < sum(r["losses"][:2]) - 0.2, r["losses"]
+    per_rank = run_ranks(workers.train_and_sync_each, 4, 2, ("odc", "fsdp2"), config, 6)
+    for inner in ("odc", "fsdp2"):
+        results = [r[inner] for r in per_rank]
+        check_syncs(results, config, nodes=2, ranks_per_node=2)
+        check_frozen(results, nodes=2, ranks_per_node=2)
+        for r in results:
+            assert sum(r["losses"][-2:]) < sum(r["losses"][:2]) - 0.2, (inner, r["losses"])
 
 
 def reference_sgd(mode: str, nodes: int, steps: int, lr: float) -> list[dict[str, torch.Tensor]]:

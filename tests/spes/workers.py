@@ -46,8 +46,9 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 def train_and_sync(rank, world, ranks_per_node: int, inner: str, config: SPESConfig, steps: int):
     """AdamW steps with a sync every `config.sync_every`; before each sync every rank perturbs the expert
-    copies its node does not own, which no node may then see. Returns, per sync, the whole model just
-    before and just after it (local rank 0 of each node), and what frozen experts held."""
+    copies its node does not own, which no node may then see, and runs an evaluation forward (after
+    which an FSDP root keeps its parameters gathered). Returns, per sync, the whole model just before
+    and just after it (local rank 0 of each node), and what frozen experts held."""
     layout = node_layout(ranks_per_node, config.sync_timeout_s)
     model, odc, sync = build(layout, config, inner)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
@@ -71,6 +72,8 @@ def train_and_sync(rank, world, ranks_per_node: int, inner: str, config: SPESCon
                     local = local_tensor(p)
                     local.add_(torch.randn(local.shape, generator=g))
             before = full_state(model)
+            with torch.no_grad():
+                lm_loss(model, tokens(0, layout.node, layout.local_rank), aux=False)
             record = sync.maybe_sync(step)
             after = full_state(model)
             out["syncs"].append({"record": record, **({"before": before, "after": after}
@@ -78,6 +81,12 @@ def train_and_sync(rank, world, ranks_per_node: int, inner: str, config: SPESCon
     out["frozen_opt_state"] = sum(p in opt.state for p in frozen)
     out["opt_state_params"] = len(opt.state)
     return out
+
+
+def train_and_sync_each(rank, world, ranks_per_node: int, inners: tuple[str, ...], config: SPESConfig,
+                        steps: int):
+    """`train_and_sync` once per in-node sharding, in the same processes."""
+    return {inner: train_and_sync(rank, world, ranks_per_node, inner, config, steps) for inner in inners}
 
 
 def sgd_every_mode(rank, world, steps: int, lr: float):
