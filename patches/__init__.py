@@ -1,8 +1,10 @@
-"""Every change this project makes to verl's internals, applied when the plugin loads.
+"""Every change this project makes to verl's internals.
 
-Each patch module names the verl version it was written against (`VERL_VERSION`) and exposes
-`apply()`; `apply()` must check that what it replaces still looks the way the patch expects and raise
-`PatchError` otherwise, so that a verl upgrade fails loudly at start-up instead of training wrongly.
+Each patch module names the verl version it was written against (`VERL_VERSION`), the verl module it
+changes (`TARGET`) and exposes `apply()`; `apply()` must check that what it replaces still looks the
+way the patch expects and raise `PatchError` otherwise, so that a verl upgrade fails loudly at start-up
+instead of training wrongly. The plugin applies each patch when its target module is first imported
+(`apply_after_import`), never during `import verl` itself.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ PATCHED_VERL_VERSION = "0.9.1"
 
 # Patch modules, applied in this order.
 PATCHES: tuple[str, ...] = ("lb_mini_worker", "lb_mini_dispatch")
+# What verl needs to run without an accelerator: applied only with VERL_PLATFORM=cpu.
+CPU_PATCHES: tuple[str, ...] = ("cpu_process_group", "cpu_offload_unpinned", "cpu_valuehead_attn",
+                                "hf_rollout_registry")
 
 
 class PatchError(RuntimeError):
@@ -33,12 +38,20 @@ def require_attr(owner, name: str, patch: str):
     return getattr(owner, name)
 
 
-def apply_all() -> list[str]:
-    """Apply every patch once; returns the names applied."""
+def apply_all(names: tuple[str, ...] = PATCHES) -> list[str]:
+    """Apply the patches `names` now (each once); returns the names applied."""
     applied = []
-    for name in PATCHES:
+    for name in names:
         module = importlib.import_module(f"{__name__}.{name}")
         require_verl_version(name, module.VERL_VERSION)
         module.apply()
         applied.append(name)
     return applied
+
+
+def apply_after_import(after_import, names: tuple[str, ...] = PATCHES) -> None:
+    """Apply each patch of `names` once its `TARGET` module is imported, through `after_import(module,
+    callback)` (see odc_plugin/verl/imports.py)."""
+    for name in names:
+        module = importlib.import_module(f"{__name__}.{name}")
+        after_import(module.TARGET, module.apply)

@@ -36,6 +36,8 @@ from odc_patches import PatchError, require_attr, require_verl_version
 VERL_VERSION = "0.9.1"
 NAME = "lb_mini_dispatch"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+# The dispatch runs in the trainer's (driver) process, which imports the trainer before building worker groups.
+TARGET = TRAINER_MODULE
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from odc_patches import PatchError, require_attr, require_verl_version
 
 VERL_VERSION = "0.9.1"
 NAME = "lb_mini_worker"
+TARGET = "verl.workers.engine_workers"
 
 # Names verl's train_mini_batch uses; if they change the method was rewritten and this patch must be too.
 _ORIGINAL_USES = ("make_iterator", "train_batch", "all_gather_object", "aggregate_dp", "train_mode")

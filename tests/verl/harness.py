@@ -13,13 +13,9 @@ with the loss functions verl uses (``verl.workers.utils.losses.ppo_loss`` / ``va
 Ray, TransferQueue and rollout are not involved: the worker methods are called directly in
 each rank (the ``@register`` wrappers pass plain TensorDicts straight through).
 
-CPU shims (all applied inside the rank processes by :func:`setup_verl_for_cpu`):
-
-* a ``cpu`` verl platform (verl has none; it would fall back to "nvidia"/cuda), installed
-  before ``verl.workers.engine`` is imported because that package reads the device name at import;
-* the stock FSDP engines registered for device ``cpu`` (verl registers them for cuda/npu only);
-* ``verl.utils.model.load_valuehead_model`` replaced by a loader that honours the config's
-  attention implementation (the stock one hard-codes ``flash_attention_2``, unusable on CPU).
+verl runs on CPU in the rank processes the way every CPU run of this project does it: with
+``VERL_PLATFORM=cpu`` set before verl is imported, the plugin's ``odc_plugin.verl.cpu`` takes over
+(platform, engines on device cpu, the CPU patches).
 
 Typical use (functions passed to :func:`run_on_ranks` must be module-level, i.e. importable)::
 
@@ -37,7 +33,6 @@ Typical use (functions passed to :func:`run_on_ranks` must be module-level, i.e.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -46,6 +41,7 @@ from typing import Any
 import torch
 
 from odc_plugin.launch import run_ranks
+from odc_plugin.verl.cpu import PLATFORM_ENV
 
 # Defaults of the tiny model (a Qwen2 causal LM, fp32).
 TINY_QWEN2 = {
@@ -66,247 +62,21 @@ PAD_TOKEN_ID = 0
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args, plugin_modules: Sequence[str] = (),
                  timeout_s: float = 600.0, pg_timeout_s: float = 300.0) -> list[Any]:
-    """``odc_plugin.launch.run_ranks`` with verl set up for CPU in every rank (:func:`setup_verl_for_cpu`,
-    then ``plugin_modules`` imported, e.g. ``["odc_plugin.verl.plugin"]``) before ``fn``'s module loads."""
+    """``odc_plugin.launch.run_ranks`` with verl on CPU in every rank (``VERL_PLATFORM=cpu``, then
+    ``plugin_modules`` imported, e.g. ``["odc_plugin.verl.plugin"]``) before ``fn``'s module loads."""
     setup = partial(_cpu_rank_setup, tuple(plugin_modules))
     return run_ranks(fn, world_size, *args, setup=setup, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
 
 
 def _cpu_rank_setup(plugin_modules: tuple[str, ...]) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    setup_verl_for_cpu(plugin_modules=plugin_modules)
-
-
-# ---------------------------------------------------------------------------------------------
-# verl on CPU
-# ---------------------------------------------------------------------------------------------
-
-_SETUP_DONE = False
-
-
-def _noop(*_a, **_k):
-    return None
-
-
-def _zero(*_a, **_k):
-    return 0
-
-
-def install_cpu_platform() -> None:
-    """Make verl's platform layer report device "cpu" / backend "gloo".
-
-    Must run before anything calls ``verl.plugin.platform.get_platform()`` (importing
-    ``verl.workers.engine`` does, via ``transformer_impl.device_name``).
-    """
-    from types import ModuleType
-
-    from verl.plugin.platform import (
-        PlatformBase,
-        PlatformRegistry,
-        get_platform,
-        set_platform,
-    )
-    from verl.plugin.platform import platform_manager as _pm
-
-    cpu_mod = torch.cpu
-    # verl calls these on get_torch_device(); torch.cpu lacks them. verl compares the module
-    # with `torch.cpu` (flops_counter, profiler/performance), so it must be torch.cpu itself.
-    for name, fn in {
-        "empty_cache": _noop,
-        "max_memory_allocated": _zero,
-        "max_memory_reserved": _zero,
-        "memory_allocated": _zero,
-        "memory_reserved": _zero,
-        "reset_peak_memory_stats": _noop,
-        "manual_seed": _noop,
-        "manual_seed_all": _noop,
-        "mem_get_info": lambda *_a, **_k: (0, 0),
-        # checkpoints save and restore the device RNG; on CPU that is torch's own generator
-        "get_rng_state": torch.get_rng_state,
-        "set_rng_state": torch.set_rng_state,
-    }.items():
-        if not hasattr(cpu_mod, name):
-            setattr(cpu_mod, name, fn)
-
-    if PlatformRegistry.get("cpu") is None:
-
-        @PlatformRegistry.register(platform="cpu")
-        class PlatformCPU(PlatformBase):
-            """CPU/gloo platform for tests."""
-
-            @property
-            def device_name(self) -> str:
-                return "cpu"
-
-            @property
-            def vendor_name(self) -> str:
-                return "cpu"
-
-            @property
-            def device_module(self) -> ModuleType:
-                return torch.cpu
-
-            def is_available(self) -> bool:
-                return True
-
-            def is_platform_available(self, use_smi_check=False) -> bool:
-                return False  # never auto-detected; installed explicitly with set_platform()
-
-            def current_device(self):
-                return "cpu"
-
-            def device_count(self) -> int:
-                return 1
-
-            def set_device(self, device_index) -> None:
-                return None
-
-            def synchronize(self, device_index=None) -> None:
-                return None
-
-            def manual_seed(self, seed: int) -> None:
-                torch.manual_seed(seed)
-
-            def manual_seed_all(self, seed: int) -> None:
-                torch.manual_seed(seed)
-
-            def set_allocator_settings(self, settings: str) -> None:
-                return None
-
-            def empty_cache(self) -> None:
-                return None
-
-            def get_device_capability(self, device_index: int = 0):
-                return None, None
-
-            def communication_backend_name(self) -> str:
-                return "gloo"
-
-            def visible_devices_envvar(self) -> str:
-                return "CUDA_VISIBLE_DEVICES"
-
-            @contextlib.contextmanager
-            def nvtx_range(self, msg: str):
-                yield
-
-            def profiler_start(self) -> None:
-                return None
-
-            def profiler_stop(self) -> None:
-                return None
-
-            def ray_resource_name(self) -> str:
-                return "CPU"
-
-            def ray_noset_envvars(self) -> list[str]:
-                return []
-
-            def is_ipc_supported(self) -> bool:
-                return False
-
-            def cudart(self):
-                return None
-
-    current = _pm._current_platform
-    if current is None or current.device_name != "cpu":
-        set_platform(PlatformRegistry.get("cpu")())
-    assert get_platform().device_name == "cpu"
-
-
-def register_engine_for_cpu(model_type: str, backend: str | Sequence[str], engine_cls: type) -> None:
-    """Register ``engine_cls`` in verl's EngineRegistry for device "cpu" (idempotent)."""
-    from verl.workers.engine import EngineRegistry
-
-    backends = [backend] if isinstance(backend, str) else list(backend)
-    for b in backends:
-        if "cpu" in EngineRegistry._engines.get(model_type, {}).get(b, {}):
-            continue
-        EngineRegistry.register(model_type=model_type, backend=b, device="cpu")(engine_cls)
-
-
-def _cpu_valuehead_loader(local_path, torch_dtype, model_config, trust_remote_code):
-    """CPU stand-in for verl.utils.model.load_valuehead_model (no forced flash_attention_2)."""
-    from transformers import AutoModelForTokenClassification
-
-    return AutoModelForTokenClassification.from_pretrained(
-        pretrained_model_name_or_path=local_path,
-        torch_dtype=torch_dtype,
-        config=model_config,
-        attn_implementation=getattr(model_config, "_attn_implementation", None) or ATTN_IMPL,
-        trust_remote_code=trust_remote_code,
-    )
-
-
-PLUGIN_ERRORS: dict[str, str] = {}
-
-
-def load_verl_plugins(plugin_modules: Sequence[str] = (), entry_points: bool = True) -> list[str]:
-    """Load verl plugins after the CPU platform is in place.
-
-    Mirrors ``verl/__init__.py``: each installed ``verl.plugins`` entry point is ``.load()``-ed
-    (imported and its attribute resolved), NOT called. verl hides load errors (DEBUG log);
-    here they are recorded in ``PLUGIN_ERRORS`` and warned about, or raised when
-    ``VERL_HARNESS_STRICT_PLUGINS=1``. ``plugin_modules`` are imported in addition and their
-    errors always propagate. Returns the names loaded.
-    """
     import importlib
-    import warnings
-    from importlib.metadata import entry_points as _entry_points
 
-    strict = os.environ.get("VERL_HARNESS_STRICT_PLUGINS", "0") == "1"
-    loaded = []
-    if entry_points:
-        for ep in _entry_points(group="verl.plugins"):
-            try:
-                ep.load()
-                loaded.append(ep.name)
-            except Exception as e:
-                if strict:
-                    raise
-                PLUGIN_ERRORS[ep.name] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"verl plugin entry point {ep.name!r} failed to load: {e!r}", stacklevel=2)
-    for mod in plugin_modules:
-        importlib.import_module(mod)
-        loaded.append(mod)
-    return loaded
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ[PLATFORM_ENV] = "cpu"
+    import verl  # noqa: F401  (loads the plugin's entry point, which turns verl's CPU support on)
 
-
-def setup_verl_for_cpu(plugin_modules: Sequence[str] = (), entry_points: bool = True) -> None:
-    """Install the CPU platform, register the stock FSDP engines for "cpu", patch the value-head loader.
-
-    ``import verl`` loads every installed ``verl.plugins`` entry point; a plugin that imports
-    ``verl.workers.engine`` at import time would fix the device to "cuda" before the CPU
-    platform exists. So verl is first imported with ``VERL_USE_EXTERNAL_PLUGINS=none`` and the
-    plugins are loaded afterwards by :func:`load_verl_plugins` (which reports their errors).
-    Must run before anything else imports verl in this process.
-    """
-    global _SETUP_DONE
-    if _SETUP_DONE:
-        return
-    saved = os.environ.get("VERL_USE_EXTERNAL_PLUGINS")
-    os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
-    try:
-        install_cpu_platform()
-    finally:
-        if saved is None:
-            os.environ.pop("VERL_USE_EXTERNAL_PLUGINS", None)
-        else:
-            os.environ["VERL_USE_EXTERNAL_PLUGINS"] = saved
-    import verl.utils.model as verl_model_utils
-    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
-    from verl.workers.engine.fsdp.transformer_impl import (
-        FSDPEngineWithLMHead,
-        FSDPEngineWithValueHead,
-    )
-
-    # Forward-only (reference) engines offload parameters with pinned memory, which needs an accelerator.
-    cpu_offload = fsdp_impl.CPUOffloadPolicy
-    fsdp_impl.CPUOffloadPolicy = lambda pin_memory=True: cpu_offload(pin_memory=False)
-    register_engine_for_cpu("language_model", ["fsdp", "fsdp2"], FSDPEngineWithLMHead)
-    register_engine_for_cpu("value_model", ["fsdp", "fsdp2"], FSDPEngineWithValueHead)
-    verl_model_utils.load_valuehead_model = _cpu_valuehead_loader
-    load_verl_plugins(plugin_modules, entry_points=entry_points)
-    _SETUP_DONE = True
+    for module in plugin_modules:
+        importlib.import_module(module)
 
 
 # ---------------------------------------------------------------------------------------------
