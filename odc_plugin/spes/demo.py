@@ -225,8 +225,9 @@ def print_report(report: dict) -> None:
               f"{_mb(total):>17}{r['train_s_max']:>9.1f}{r['wall_s_max']:>8.1f}")
     print(f"\nSPES - centralized final held-out loss: {report['spes_minus_centralized_loss']:+.4f} "
           f"({100 * report['spes_relative_to_centralized']:+.1f}%) at the same {modes['spes']['tokens']} tokens")
+    reference = report["reference_protocol_spes_over_diloco_bytes_per_round"]
     print(f"bytes per sync per node, SPES / full-model averaging: {report['spes_over_fedavg_bytes_per_sync']:.3f} "
-          f"(the reference's server protocol would give {report['reference_protocol_spes_over_diloco_bytes_per_round']:.3f})")
+          f"(the reference's server protocol would give {reference:.3f})")
     print(f"merges (step, alpha): {modes['spes']['merges']}")
 
 

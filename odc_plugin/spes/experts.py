@@ -62,7 +62,8 @@ def split_experts(model: nn.Module) -> nn.Module:
     if not found:
         raise ValueError("split_experts found no MoE experts module with 3D gate_up_proj and down_proj "
                          "parameters (transformers' OLMoE / Qwen2-MoE layout)")
-    if getattr(model.config, "_experts_implementation", "eager") != "eager":
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", "eager") != "eager":
         model.set_experts_implementation("eager")
     return model
 

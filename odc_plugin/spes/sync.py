@@ -7,8 +7,9 @@ own experts only. `fedavg` averages the whole model with one all-reduce on the s
 (see layout.py), so with several ranks per node a node's traffic is the sum over its ranks.
 
 Bytes are counted per rank from the buffers handed to the collectives: an all-reduce of B bytes over N
-nodes sends and receives 2 (N - 1) / N * B per node (the ring algorithm, which gloo and NCCL use for
-large buffers); the all-to-all sends this node's experts to N - 1 peers and receives theirs.
+nodes sends and receives 2 (N - 1) / N * B per node (a ring: reduce-scatter, then all-gather, which is
+what gloo's allreduce and NCCL's for large buffers do); the all-to-all sends this node's experts to the
+N - 1 other nodes and receives theirs.
 """
 
 from __future__ import annotations
@@ -46,13 +47,9 @@ def allreduce_bytes(nbytes: int, nodes: int) -> int:
     return 2 * (nodes - 1) * nbytes // nodes
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class NodeSync:
-    """The cross-node side of one rank. Build it after sharding, with the model already split
-    (`split_experts`) and, in `spes` mode, frozen (`freeze_experts` with this node's experts)."""
+    """The cross-node side of one rank. Build it after `prepare_experts` (experts split and, in `spes`
+    mode, the other nodes' frozen) and after sharding."""
 
     def __init__(self, model: nn.Module, layout: NodeLayout, config: SPESConfig):
         self.model, self.layout, self.config = model, layout, config
@@ -68,8 +65,8 @@ class NodeSync:
                                 for p in layer.expert_params(e)] for q in range(nodes)]
             for q, params in enumerate(self.experts_of):
                 if q != layout.node and any(p.requires_grad for p in params):
-                    raise ValueError(f"node {layout.node} trains experts of node {q}: call freeze_experts(model, "
-                                     f"{self.owned}) before sharding")
+                    raise ValueError(f"node {layout.node} trains experts of node {q}: call prepare_experts before "
+                                     f"sharding")
             expert_ids = {id(p) for params in self.experts_of for p in params}
             self.shared = [p for p in model.parameters() if id(p) not in expert_ids]
             if config.merging:
@@ -128,13 +125,16 @@ class NodeSync:
         own = torch.cat([local_tensor(p).reshape(-1) for p in self.experts_of[node]])
         # Equal splits: every node owns as many experts, of the same shapes, sharded the same way. The
         # chunk to itself stays in memory.
-        out = torch.empty(nodes * own.numel(), dtype=own.dtype)
+        out = torch.empty(nodes * own.numel(), dtype=own.dtype, device=own.device)
         dist.all_to_all_single(out, own.repeat(nodes), group=self.layout.cross_group)
         for q, chunk in enumerate(out.split(own.numel())):
             if q != node:
                 self._unflatten(chunk, [local_tensor(p) for p in self.experts_of[q]])
         moved = (nodes - 1) * own.numel() * own.element_size()
         return moved, moved
+
+    def total_bytes(self) -> tuple[int, int]:
+        return sum(r.sent for r in self.records), sum(r.received for r in self.records)
 
     def _reshard(self) -> None:
         # An FSDP root keeps its parameters gathered after a forward without backward (an evaluation),
@@ -144,15 +144,12 @@ class NodeSync:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def total_bytes(self) -> tuple[int, int]:
-        return sum(r.sent for r in self.records), sum(r.received for r in self.records)
-
     def _average(self, tensors: list[torch.Tensor]) -> int:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, group=self.layout.cross_group)
         flat /= self.layout.num_nodes
         self._unflatten(flat, tensors)
-        return allreduce_bytes(_nbytes([flat]), self.layout.num_nodes)
+        return allreduce_bytes(flat.numel() * flat.element_size(), self.layout.num_nodes)
 
     @staticmethod
     def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:

@@ -145,7 +145,7 @@ def test_with_h1_each_mode_is_its_single_process_math():
                 got = results[node][mode][step]
                 for name in want:
                     torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
-                                               msg=lambda m: f"{mode} step {step + 1} node {node} {name}: {m}")
+                                               msg=f"{mode}, step {step + 1}, node {node}: {name}")
 
 
 def test_a_node_dying_mid_sync_ends_every_node_with_a_clear_error():
