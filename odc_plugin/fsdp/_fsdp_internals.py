@@ -59,10 +59,10 @@ def all_gather_input(group) -> torch.Tensor:
 
 
 def grad_slots(group) -> list[ParamSlot]:
-    """The reduce-scatter layout of `group`: every trainable parameter, in FSDP's order.
+    """Every trainable parameter of `group`, in FSDP's order, as its full reduce-scatter layout.
 
-    FSDP drops parameters without a gradient from the layout unless told to reduce-scatter unused ones;
-    ODC turns that on, so the layout is the same for every micro-batch.
+    FSDP reduce-scatters only the parameters that got a gradient on this rank, in this order and each
+    padded to `padded_numel`; the ones it left out are gaps in this layout.
     """
     slots, offset = [], 0
     for fsdp_param in group.fsdp_params:
@@ -73,3 +73,20 @@ def grad_slots(group) -> list[ParamSlot]:
         slots.append(ParamSlot(param, offset, padded))
         offset += padded
     return slots
+
+
+def reset_to_idle(model: nn.Module) -> None:
+    """Put every FSDP module of `model` in the state stock FSDP2 is in after a backward.
+
+    A forward that no backward follows leaves modules built with `reshard_after_forward=False` (the root,
+    by default) unsharded and its record of forwards (kept for backward prefetching) growing; stock
+    FSDP2 clears both in its post-backward callback. Ranks of one ODC mini-batch run different numbers
+    of forwards, so without this they would leave it in different states and issue different
+    collectives afterwards. Local: no communication.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+            for group in _groups_of(module._get_fsdp_state()):
+                group._post_forward_indices.clear()
+    model._get_fsdp_state()._comm_ctx.post_forward_order.clear()

@@ -9,12 +9,16 @@ accumulates into the owners' fp32 accumulators. A mini-batch is bracketed by `be
 - end: one barrier (every accumulate has landed), then this rank's accumulator becomes its sharded
   `.grad`, so optimizer step and grad clipping run unchanged.
 
-Between the two no collective runs, so ranks may run any number of micro-batches, zero included.
+Between the two no collective runs, so ranks may run any number of micro-batches, zero included, and any
+subset of the model's modules. Alongside each gradient a rank marks, in every owner's "used" flags, which
+parameters it sent: a parameter no rank produced a gradient for keeps `.grad` None on every rank, as in
+stock FSDP2 (AdamW then leaves it alone), while one some ranks used gets the exact sum.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
@@ -55,6 +59,7 @@ class _GroupLayout:
     param_offset: int  # bytes into the params region
     param_nbytes: int
     grad_offset: int  # elements into the grads region
+    used_offset: int  # elements into the used region: one flag per slot
     slots: list[fsdp_internals.ParamSlot]
 
 
@@ -75,19 +80,22 @@ class OnDemandComm:
 
         modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
         self.layouts: list[_GroupLayout] = []
-        param_bytes = grad_numel = 0
+        param_bytes = grad_numel = num_slots = 0
         for _, groups in modules_and_groups:
             for group in groups:
                 shard = fsdp_internals.all_gather_input(group)
                 nbytes = shard.numel() * shard.element_size()
                 slots = fsdp_internals.grad_slots(group)
-                self.layouts.append(_GroupLayout(group, param_bytes, nbytes, grad_numel, slots))
+                self.layouts.append(_GroupLayout(group, param_bytes, nbytes, grad_numel, num_slots, slots))
                 param_bytes += nbytes
                 grad_numel += sum(s.padded_numel for s in slots)
+                num_slots += len(slots)
         self.params = transport.alloc("odc.params", param_bytes, torch.uint8)
         self.grads = transport.alloc("odc.grads", grad_numel, torch.float32)
+        self.used = transport.alloc("odc.used", num_slots, torch.float32)
         self.published = transport.alloc("odc.published", 1, torch.int64)
 
+        self._scatters: list[_ScatterAccumulate] = []
         # With one rank FSDP never calls its comm hooks, and its own gradients are already final.
         if self.world_size > 1:
             layout_of = {id(layout.group): layout for layout in self.layouts}
@@ -98,12 +106,17 @@ class OnDemandComm:
                     raise ValueError("ODC needs one parameter group per fully_shard module; per-parameter "
                                      "meshes (shard_placement_fn) are not supported")
                 layout = layout_of[id(groups[0])]
+                scatter = _ScatterAccumulate(self, layout)
+                self._scatters.append(scatter)
                 module.set_custom_all_gather(_OnDemandAllGather(self, layout))
-                module.set_custom_reduce_scatter(_ScatterAccumulate(self, layout))
+                module.set_custom_reduce_scatter(scatter)
                 # Plain sums reach the hook; ODC divides once, at the end of the mini-batch.
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_gradient_divide_factor(1.0)
-                module.set_reduce_scatter_unused_params(True, recurse=False)
+                # Right after its reduce-scatter, FSDP calls these hooks of the sharded parameters it
+                # reduced, in order: that tells which slots the reduce-scatter input holds.
+                for index, slot in enumerate(layout.slots):
+                    slot.param.register_post_accumulate_grad_hook(functools.partial(scatter.reduced, index))
 
     @property
     def divide_factor(self) -> float:
@@ -117,6 +130,9 @@ class OnDemandComm:
         self._begin_time = time.perf_counter()
         self.epoch += 1
         self._ready_peers = {self.rank}
+        # An evaluation forward since the last mini-batch may have left modules unsharded; the shards
+        # published below are the sharded parameters.
+        fsdp_internals.reset_to_idle(self.model)
         with torch.no_grad():
             for layout in self.layouts:
                 shard = fsdp_internals.all_gather_input(layout.group).view(torch.uint8)
@@ -129,11 +145,14 @@ class OnDemandComm:
             raise RuntimeError("ODC end() called without begin()")
         arrive = time.perf_counter()
         try:
+            for scatter in self._scatters:
+                scatter.check_sent()
             self.transport.synchronize()
             self.transport.barrier(self.config.barrier_timeout_s)
         finally:
             self.in_minibatch = False
         done = time.perf_counter()
+        fsdp_internals.reset_to_idle(self.model)
         if self._backward and self.world_size > 1:
             self._take_gradients()
         self.last_stats = MiniBatchStats(compute_s=arrive - self._begin_time, wait_s=done - arrive)
@@ -148,8 +167,11 @@ class OnDemandComm:
     @torch.no_grad()
     def _take_gradients(self) -> None:
         acc = self.grads.local
+        used = self.used.local.tolist()
         for layout in self.layouts:
-            for slot in layout.slots:
+            for index, slot in enumerate(layout.slots):
+                if not used[layout.used_offset + index]:
+                    continue  # no rank produced a gradient: `.grad` stays as it was, as in stock FSDP2
                 param = slot.param
                 local = param.to_local()
                 start = layout.grad_offset + slot.offset
@@ -161,6 +183,7 @@ class OnDemandComm:
                 else:
                     param.grad.to_local().add_(grad)
         acc.zero_()
+        self.used.local.zero_()
 
     def wait_published(self, peer: int) -> None:
         """Block until `peer` has published this mini-batch's shards (once per peer per mini-batch)."""
@@ -204,26 +227,73 @@ class _OnDemandAllGather(_BufferAlloc, AllGather):
 
 
 class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
-    """FSDP reduce-scatter replaced by accumulates into each owner's gradient accumulator."""
+    """FSDP reduce-scatter replaced by accumulates into each owner's gradient accumulator.
+
+    FSDP's input holds only the parameters this rank has a gradient for; which ones is known only as FSDP
+    calls `reduced` for each of them, right after this hook. So the hook keeps the input, and the
+    accumulates go out once those calls have covered all of it.
+    """
 
     def __init__(self, odc: OnDemandComm, layout: _GroupLayout):
         self.odc, self.layout = odc, layout
+        self._input: torch.Tensor | None = None
+        self._reduced: list[int] = []  # slot indices, in FSDP's order
+        self._covered = 0  # elements of one rank's chunk that those slots fill
+        self._ones: torch.Tensor | None = None
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        odc, layout = self.odc, self.layout
+        odc = self.odc
         if op != dist.ReduceOp.SUM:
             raise RuntimeError(f"ODC expects FSDP to hand it a SUM reduce-scatter, got {op}")
         if not odc.in_minibatch:
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             output_tensor.div_(odc.divide_factor)  # FSDP was told to divide nothing itself
             return None
-        chunks = input_tensor.view(odc.world_size, -1)
-        for peer in [odc.rank, *odc.peers()]:
-            odc.wait_published(peer)
-            odc.transport.accumulate(odc.grads, peer, layout.grad_offset, chunks[peer])
+        self.check_sent()
+        self._input = input_tensor.view(odc.world_size, -1)
+        self._reduced, self._covered = [], 0
         # FSDP adds the output into `.grad`; the real gradient arrives from the accumulator at end().
         output_tensor.zero_()
         return None
+
+    def check_sent(self) -> None:
+        if self._input is not None:
+            raise RuntimeError("FSDP did not report which parameters a reduce-scatter held; ODC does not "
+                               "support this torch version")
+
+    def reduced(self, index: int, param) -> None:
+        """FSDP reduced slot `index` (a post-accumulate-grad hook of its sharded parameter)."""
+        if self._input is None:
+            return  # a reduce-scatter outside a mini-batch, or autograd writing a sharded `.grad` itself
+        self._reduced.append(index)
+        self._covered += self.layout.slots[index].padded_numel
+        if self._covered > self._input.shape[1]:
+            raise RuntimeError("FSDP's reduce-scatter layout changed after apply_odc(); call apply_odc() again")
+        if self._covered == self._input.shape[1]:
+            self._send()
+
+    def _send(self) -> None:
+        odc, layout, chunks = self.odc, self.layout, self._input
+        self._input = None
+        if self._ones is None:
+            self._ones = torch.ones(len(layout.slots), device=chunks.device)
+        # Runs of consecutive slots are contiguous in both FSDP's input and the accumulator: one
+        # accumulate per run (the whole group when every parameter got a gradient).
+        runs, column = [], 0
+        for index in self._reduced:
+            slot = layout.slots[index]
+            if runs and runs[-1][1] == index:
+                runs[-1][1] += 1
+                runs[-1][3] += slot.padded_numel
+            else:
+                runs.append([index, index + 1, column, slot.padded_numel])
+            column += slot.padded_numel
+        for peer in [odc.rank, *odc.peers()]:
+            odc.wait_published(peer)
+            for first, end, column, numel in runs:
+                offset = layout.grad_offset + layout.slots[first].offset
+                odc.transport.accumulate(odc.grads, peer, offset, chunks[peer, column : column + numel])
+                odc.transport.accumulate(odc.used, peer, layout.used_offset + first, self._ones[: end - first])
 
 
 def apply_odc(model: nn.Module, transport: Transport, config: ODCConfig | None = None) -> OnDemandComm:

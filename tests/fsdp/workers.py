@@ -7,6 +7,8 @@ none inside a mini-batch, and NCCL refuses several ranks on one GPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -196,3 +198,98 @@ def die_during_setup(rank, world_size, victim, stage):
         time.sleep(1.0)
     apply_odc(model, transport)
     return "set up"
+
+
+# A model whose modules a micro-batch touches depend on its data, as in MoE and multi-modal models.
+ROUTED_VOCAB, ROUTED_DIM, EXPERTS = 23, 10, 4
+
+
+class RoutedModel(torch.nn.Module):
+    """Every token goes through the embedding and the head; a sample with an image adds a tower's
+    features; each token also goes through one expert, chosen by its id (id % EXPERTS), so an expert
+    runs only in micro-batches that hold its tokens."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.embed = nn.Embedding(ROUTED_VOCAB, ROUTED_DIM)
+        self.tower = nn.Sequential(nn.Linear(ROUTED_DIM, 2 * ROUTED_DIM), nn.Tanh(), nn.Linear(2 * ROUTED_DIM, ROUTED_DIM))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(ROUTED_DIM, 2 * ROUTED_DIM), nn.GELU(), nn.Linear(2 * ROUTED_DIM, ROUTED_DIM))
+            for _ in range(EXPERTS))
+        self.head = nn.Linear(ROUTED_DIM, ROUTED_VOCAB)
+
+    def forward(self, samples) -> torch.Tensor:
+        """Summed next-token loss of `samples`, (tokens, image or None) pairs, in one call per module."""
+        lengths = [len(t) for t, _ in samples]
+        tokens = torch.cat([t for t, _ in samples])
+        h = self.embed(tokens)
+        with_image = [i for i, (_, image) in enumerate(samples) if image is not None]
+        if with_image:
+            features = self.tower(torch.stack([samples[i][1] for i in with_image])).mean(1)
+            per_sample = features.new_zeros(len(samples), ROUTED_DIM).index_copy(0, torch.tensor(with_image), features)
+            h = h + per_sample.repeat_interleave(torch.tensor(lengths), dim=0)
+        out = h
+        for e, expert in enumerate(self.experts):
+            idx = (tokens % EXPERTS == e).nonzero().squeeze(1)
+            if len(idx):
+                out = out.index_add(0, idx, expert(h[idx]))
+        logits = self.head(torch.tanh(out)).float()
+        return sum(torch.nn.functional.cross_entropy(lg[:-1], t[1:], reduction="sum")
+                   for lg, (t, _) in zip(logits.split(lengths), samples))
+
+
+def routed_sample(seed: int, experts: tuple[int, ...], image: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sample whose tokens go to `experts`, each at least once, and to no other; with a 3-row image
+    when `image`."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([v for v in range(ROUTED_VOCAB) if v % EXPERTS in experts])
+    extra = allowed[torch.randint(len(allowed), (int(torch.randint(2, 7, (1,), generator=g)),), generator=g)]
+    tokens = torch.cat([torch.tensor(experts), extra])[torch.randperm(len(experts) + len(extra), generator=g)]
+    return tokens, torch.randn(3, ROUTED_DIM, generator=g) if image else None
+
+
+def build_routed(seed: int = 0) -> RoutedModel:
+    torch.manual_seed(seed)
+    return RoutedModel()
+
+
+def routed_targets(micro_batches) -> int:
+    return sum(len(t) - 1 for mb in micro_batches for t, _ in mb)
+
+
+def train_routed(rank, world_size, steps, eval_batch, use_odc, reshard_after_forward=None, mixed_precision=False):
+    """Per step: a forward-only mini-batch over this rank's `score` micro-batches, an evaluation forward
+    of `eval_batch` on every rank (FSDP's own collectives, outside any mini-batch), then a training
+    mini-batch over its `train` micro-batches and an AdamW step with weight decay and grad clipping.
+    Returns the final parameters and, per step, the scores, the evaluation loss and which parameters
+    had no gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    kwargs = {"mesh": mesh, "mp_policy": mp or MixedPrecisionPolicy()}
+    if reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = reshard_after_forward
+    model = build_routed()
+    for module in [model.tower, *model.experts]:
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    odc = apply_odc(model, make_transport("shm"), ODCConfig(barrier_timeout_s=60)) if use_odc else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    records = []
+    for step in steps:
+        with odc.minibatch(backward=False) if odc else contextlib.nullcontext(), torch.no_grad():
+            scores = [model(mb).item() for mb in step["score"][rank]]
+        with torch.no_grad():
+            evaluation = model(eval_batch).item()
+        opt.zero_grad(set_to_none=True)
+        global_targets = routed_targets([mb for share in step["train"] for mb in share])
+        with odc.minibatch() if odc else contextlib.nullcontext():
+            for mb in step["train"][rank]:
+                (model(mb) / global_targets * world_size).backward()
+        no_grad = sorted(n for n, p in model.named_parameters() if p.grad is None)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        opt.step()
+        records.append({"scores": scores, "eval": evaluation, "no_grad": no_grad})
+    return full_params(model), records
