@@ -127,7 +127,8 @@ def test_no_collective_between_begin_and_end():
     odc_calls = run_ranks(workers.count_collectives_in_minibatch, 2, seqs, plan, True)
     fsdp_calls = run_ranks(workers.count_collectives_in_minibatch, 2, seqs, plan, False)
     # The counter sees stock FSDP2's collectives, so seeing none under ODC means there were none.
-    assert all("all_gather_single" in c and "reduce_scatter_single" in c for c in fsdp_calls)
+    # (names differ between torch versions: all_gather_single / all_gather_into_tensor, ...)
+    assert all(any("all_gather" in n for n in c) and any("reduce_scatter" in n for n in c) for c in fsdp_calls)
     assert odc_calls == [[], []]
 
 
