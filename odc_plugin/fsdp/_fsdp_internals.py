@@ -75,8 +75,9 @@ def grad_slots(group) -> list[ParamSlot]:
     return slots
 
 
-def reset_to_idle(model: nn.Module) -> None:
-    """Put every FSDP module of `model` in the state stock FSDP2 is in after a backward.
+def reset_to_idle(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
+    """Put every FSDP module (as `fsdp_modules_and_groups` lists them) in the state stock FSDP2 is in
+    after a backward.
 
     A forward that no backward follows leaves modules built with `reshard_after_forward=False` (the root,
     by default) unsharded and its record of forwards (kept for backward prefetching) growing; stock
@@ -84,9 +85,9 @@ def reset_to_idle(model: nn.Module) -> None:
     of forwards, so without this they would leave it in different states and issue different
     collectives afterwards. Local: no communication.
     """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-            for group in _groups_of(module._get_fsdp_state()):
-                group._post_forward_indices.clear()
-    model._get_fsdp_state()._comm_ctx.post_forward_order.clear()
+    for module, groups in modules_and_groups:
+        module.reshard()
+        for group in groups:
+            group._post_forward_indices.clear()
+    root = modules_and_groups[0][0]
+    root._get_fsdp_state()._comm_ctx.post_forward_order.clear()

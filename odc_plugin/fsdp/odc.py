@@ -78,7 +78,7 @@ class OnDemandComm:
         self._ready_peers: set[int] = set()
         self._begin_time = 0.0
 
-        modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
+        self._modules_and_groups = modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
         self.layouts: list[_GroupLayout] = []
         param_bytes = grad_numel = num_slots = 0
         for _, groups in modules_and_groups:
@@ -132,7 +132,7 @@ class OnDemandComm:
         self._ready_peers = {self.rank}
         # An evaluation forward since the last mini-batch may have left modules unsharded; the shards
         # published below are the sharded parameters.
-        fsdp_internals.reset_to_idle(self.model)
+        fsdp_internals.reset_to_idle(self._modules_and_groups)
         with torch.no_grad():
             for layout in self.layouts:
                 shard = fsdp_internals.all_gather_input(layout.group).view(torch.uint8)
@@ -152,7 +152,7 @@ class OnDemandComm:
         finally:
             self.in_minibatch = False
         done = time.perf_counter()
-        fsdp_internals.reset_to_idle(self.model)
+        fsdp_internals.reset_to_idle(self._modules_and_groups)
         if self._backward and self.world_size > 1:
             self._take_gradients()
         self.last_stats = MiniBatchStats(compute_s=arrive - self._begin_time, wait_s=done - arrive)
@@ -277,23 +277,24 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
         self._input = None
         if self._ones is None:
             self._ones = torch.ones(len(layout.slots), device=chunks.device)
-        # Runs of consecutive slots are contiguous in both FSDP's input and the accumulator: one
-        # accumulate per run (the whole group when every parameter got a gradient).
-        runs, column = [], 0
+        # Consecutive slots are contiguous in both FSDP's input and the accumulator: one accumulate per
+        # run of them (a single run, the whole group, when every parameter got a gradient).
+        runs: list[tuple[int, int, int]] = []  # (first slot, slots, column in the input)
+        column = 0
         for index in self._reduced:
-            slot = layout.slots[index]
-            if runs and runs[-1][1] == index:
-                runs[-1][1] += 1
-                runs[-1][3] += slot.padded_numel
+            if runs and runs[-1][0] + runs[-1][1] == index:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
             else:
-                runs.append([index, index + 1, column, slot.padded_numel])
-            column += slot.padded_numel
+                runs.append((index, 1, column))
+            column += layout.slots[index].padded_numel
         for peer in [odc.rank, *odc.peers()]:
             odc.wait_published(peer)
-            for first, end, column, numel in runs:
-                offset = layout.grad_offset + layout.slots[first].offset
-                odc.transport.accumulate(odc.grads, peer, offset, chunks[peer, column : column + numel])
-                odc.transport.accumulate(odc.used, peer, layout.used_offset + first, self._ones[: end - first])
+            for first, count, column in runs:
+                start, last = layout.slots[first], layout.slots[first + count - 1]
+                numel = last.offset + last.padded_numel - start.offset
+                odc.transport.accumulate(odc.grads, peer, layout.grad_offset + start.offset,
+                                         chunks[peer, column : column + numel])
+                odc.transport.accumulate(odc.used, peer, layout.used_offset + first, self._ones[:count])
 
 
 def apply_odc(model: nn.Module, transport: Transport, config: ODCConfig | None = None) -> OnDemandComm:
