@@ -226,7 +226,8 @@ class RoutedModel(torch.nn.Module):
         h = self.embed(tokens)
         with_image = [i for i, (_, image) in enumerate(samples) if image is not None]
         if with_image:
-            features = self.tower(torch.stack([samples[i][1] for i in with_image])).mean(1)
+            rows = self.tower(torch.cat([samples[i][1] for i in with_image]))
+            features = rows.view(len(with_image), -1, ROUTED_DIM).mean(1)
             per_sample = features.new_zeros(len(samples), ROUTED_DIM).index_copy(0, torch.tensor(with_image), features)
             h = h + per_sample.repeat_interleave(torch.tensor(lengths), dim=0)
         out = h
