@@ -12,7 +12,9 @@ accumulates into the owners' fp32 accumulators. A mini-batch is bracketed by `be
 Between the two no collective runs, so ranks may run any number of micro-batches, zero included, and any
 subset of the model's modules. Alongside each gradient a rank marks, in every owner's "used" flags, which
 parameters it sent: a parameter no rank produced a gradient for keeps `.grad` None on every rank, as in
-stock FSDP2 (AdamW then leaves it alone), while one some ranks used gets the exact sum.
+stock FSDP2 (AdamW then leaves it alone), while one some ranks used gets the exact sum. Both begin and
+end reshard every module: ranks that ran different numbers of forwards (forward-only mini-batches
+included) leave in one FSDP state, so plain evaluation forwards between mini-batches stay collective.
 """
 
 from __future__ import annotations
