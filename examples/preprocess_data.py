@@ -3,13 +3,7 @@
     python examples/preprocess_data.py --dataset gsm8k --out ~/data/gsm8k   # train.parquet, test.parquet
     python examples/preprocess_data.py --dataset math  --out ~/data/math
 
-One row per problem:
-    data_source   the dataset's Hub id; verl's default reward (verl.utils.reward_score.default_compute_score)
-                  picks its scorer from it (GSM8K: "#### <answer>", MATH: "\\boxed{<answer>}")
-    prompt        the chat: one user message, the problem plus how to write the final answer
-    ability       "math"
-    reward_model  {"style": "rule", "ground_truth": <the reference answer>}
-    extra_info    {"split", "index"}
+One row per problem, in the layout `odc_plugin.verl.data` describes.
 Needs `pip install datasets` and access to the Hub.
 """
 
@@ -18,10 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-GSM8K = "openai/gsm8k"
-MATH = "DigitalLearningGmbH/MATH-lighteval"
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+from odc_plugin.verl.data import GSM8K, GSM8K_INSTRUCTION, MATH, MATH_INSTRUCTION, make_row
 
 
 def gsm8k_answer(solution: str) -> str:
@@ -34,16 +25,6 @@ def math_answer(solution: str) -> str:
     from verl.utils.reward_score.math_reward import last_boxed_only_string, remove_boxed
 
     return remove_boxed(last_boxed_only_string(solution))
-
-
-def make_row(data_source: str, question: str, instruction: str, answer: str, split: str, index: int) -> dict:
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": f"{question} {instruction}"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {"split": split, "index": index},
-    }
 
 
 def gsm8k_row(example: dict, index: int, split: str) -> dict:

@@ -13,6 +13,7 @@ Metrics read (verl 0.9.1 `compute_timing_metrics` / `compute_throughout_metrics`
     perf/throughput                    total_num_tokens / (step time * number of GPUs)
     {actor,critic}/odc/compute_s_mean, wait_s_mean, wait_s_max, compute_imbalance,
     micro_batches_min, micro_batches_max   from the odc engines (absent in a fsdp2 run: n/a)
+    odc_balance/efficiency, samples_min, samples_max   LB-Mini's plan for the actor (odc + lb_mini runs)
 The update phase is update_actor + update_critic (the critic only when it ran); its throughput is
 total_num_tokens / update phase time. Idle fraction = wait / (wait + compute) of the ODC mini-batches
 (mean over ranks and mini-batches, per step).
@@ -39,6 +40,8 @@ UPDATE_PHASES = ("update_actor", "update_critic")
 ROLES = ("actor", "critic")
 ODC_STATS = ("compute_s_mean", "wait_s_mean", "wait_s_max", "compute_imbalance", "micro_batches_min",
              "micro_batches_max")
+BALANCE = "odc_balance"
+BALANCE_STATS = ("efficiency", "samples_min", "samples_max")
 
 
 class ReportError(Exception):
@@ -130,6 +133,8 @@ def summarize(run: Run) -> dict[str, float | None]:
         s[f"{role}_idle_fraction"] = _median(_per_step(run, _idle_fraction(role)))
         for stat in ODC_STATS:
             s[f"{role}_odc_{stat}"] = _median(_per_step(run, lambda m, k=f"{role}/odc/{stat}": m[k]))
+    for stat in BALANCE_STATS:
+        s[f"balance_{stat}"] = _median(_per_step(run, lambda m, k=f"{BALANCE}/{stat}": m[k]))
     return s
 
 
@@ -158,6 +163,9 @@ ROWS = [
     ("critic_odc_wait_s_mean", "  critic odc wait s (mean)", ""),
     ("critic_odc_compute_s_mean", "  critic odc compute s (mean)", ""),
     ("critic_odc_compute_imbalance", "  critic compute max/mean", ""),
+    ("balance_efficiency", "LB-Mini plan efficiency (1 = no split does better)", ""),
+    ("balance_samples_min", "  samples of one rank in a mini-batch, min", ""),
+    ("balance_samples_max", "  samples of one rank in a mini-batch, max", ""),
 ]
 ALWAYS = {"update_s", "step_s", "update_tokens_per_s", "tokens_per_s", "actor_idle_fraction"}
 

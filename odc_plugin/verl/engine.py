@@ -14,6 +14,8 @@ log-prob / value inference alike):
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,9 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 from ..comm import make_transport
 from ..fsdp import ODCConfig, apply_odc
 from .config import as_odc_config
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # verl's own modules' convention
 
 
 @contextlib.contextmanager
@@ -51,6 +56,9 @@ class _ODCEngineMixin:
             module = super()._build_fsdp_module(module)
         transport = make_transport(odc_config.odc_transport, group=self.device_mesh.get_group())
         self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
+        logger.info("odc: %s%s on %d ranks over %s", type(self).__name__,
+                    " (forward only)" if self.engine_config.forward_only else "", transport.world_size,
+                    type(transport).__name__)
         return module
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):

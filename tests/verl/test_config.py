@@ -18,21 +18,17 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
-import verl
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
-from verl.trainer.ppo.utils import need_critic, need_reference_policy
-from verl.utils.config import omega_conf_to_dataclass, validate_config
-from verl.utils.device import auto_set_device
+from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import FSDPEngineConfig
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
+from odc_plugin.verl import ppo_config
 from odc_plugin.verl.config import ODCEngineConfig
 from odc_plugin.verl.engine import ODCEngineWithLMHead, ODCEngineWithValueHead
 
 REPO = Path(__file__).resolve().parents[2]
-VERL_CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 PACKAGED = importlib.util.find_spec("odc_plugin.configs") is not None
 SEARCHPATH = "pkg://odc_plugin.configs" if PACKAGED else (REPO / "configs").as_uri()
 ODC = [f"hydra.searchpath=[{SEARCHPATH}]", "model_engine=odc"]
@@ -66,15 +62,7 @@ def base(tmp_path_factory):
     ]
 
 
-def compose_ppo(overrides):
-    with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=list(overrides))
-
-
-def validate(cfg):
-    """What `verl.trainer.main_ppo.main` runs on the composed config before Ray starts."""
-    auto_set_device(cfg)
-    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+compose_ppo, validate = ppo_config.compose, ppo_config.check
 
 
 def role_configs(cfg):

@@ -31,6 +31,8 @@ def _dispatch_mode(method):
 @pytest.fixture
 def stock_verl(monkeypatch):
     """verl as installed, without this project's patches (restored after the test)."""
+    if HAS_TQ:
+        _trainer()  # imported first: the plugin patches the trainer (and its dispatch) when it is imported
     current = TrainingWorker.train_mini_batch
     if getattr(current, "_odc_patched", False):
         monkeypatch.setattr(TrainingWorker, "train_mini_batch", current._odc_original)
@@ -195,3 +197,111 @@ def test_trainer_patch_skipped_without_transfer_queue(stock_verl):
     lb_mini_dispatch.apply()
     assert "TransferQueue" in lb_mini_dispatch.TRAINER_SKIPPED
     assert all(_patched_state()["dispatch"])
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU patches (applied only with VERL_PLATFORM=cpu; tests/verl/test_cpu_mode.py checks the switch)
+# ---------------------------------------------------------------------------------------------
+
+from odc_patches import (  # noqa: E402
+    CPU_PATCHES,
+    cpu_offload_unpinned,
+    cpu_process_group,
+    cpu_valuehead_attn,
+    hf_rollout_registry,
+)
+
+# patch -> (module, attribute it replaces)
+CPU_REPLACED = {
+    "cpu_process_group": ("verl.workers.engine_workers", "initialize_global_process_group_ray"),
+    "cpu_offload_unpinned": ("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy"),
+    "cpu_valuehead_attn": ("verl.utils.model", "load_valuehead_model"),
+}
+
+
+@pytest.fixture
+def stock_cpu(monkeypatch):
+    """verl without the CPU patches; whatever a test changes is put back."""
+    import importlib
+
+    from verl.workers.rollout import base
+
+    for module, attr in CPU_REPLACED.values():
+        owner = importlib.import_module(module)
+        current = getattr(owner, attr)
+        monkeypatch.setattr(owner, attr, getattr(current, "__wrapped__", current)
+                            if getattr(current, "_odc_patched", False) else current)
+    registry = dict(base._ROLLOUT_REGISTRY)
+    registry.pop(("hf", "async"), None)
+    monkeypatch.setattr(base, "_ROLLOUT_REGISTRY", registry)
+    return monkeypatch
+
+
+def test_cpu_patch_list():
+    assert CPU_PATCHES == ("cpu_process_group", "cpu_offload_unpinned", "cpu_valuehead_attn", "hf_rollout_registry")
+    for name in CPU_PATCHES:
+        patch = getattr(odc_patches, name)
+        assert patch.VERL_VERSION == "0.9.1"
+        assert importlib.util.find_spec(patch.TARGET) is not None, patch.TARGET
+    for name, (module, _) in CPU_REPLACED.items():
+        assert getattr(odc_patches, name).TARGET == module
+
+
+def test_cpu_patches_apply_to_stock_verl(stock_cpu, tmp_path):
+    import importlib
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from verl.workers.rollout.base import get_rollout_class
+
+    from odc_plugin.verl.cpu.rollout import HFServerAdapter
+
+    assert odc_patches.apply_all(CPU_PATCHES) == list(CPU_PATCHES)
+    replaced = {name: getattr(importlib.import_module(m), a) for name, (m, a) in CPU_REPLACED.items()}
+    assert all(getattr(fn, "_odc_patched", False) for fn in replaced.values())
+    policy = replaced["cpu_offload_unpinned"](pin_memory=True)
+    assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
+    assert get_rollout_class("hf", "async") is HFServerAdapter
+    # the critic's value-head model loads with the attention its config names (stock verl forces
+    # flash_attention_2, which is not installed here)
+    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
+
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=64)).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path, attn_implementation="sdpa", num_labels=1)
+    model = replaced["cpu_valuehead_attn"](str(tmp_path), torch_dtype=None, model_config=config,
+                                           trust_remote_code=False)
+    assert type(model).__name__ == "Qwen2ForTokenClassification" and model.config._attn_implementation == "sdpa"
+    # applying again changes nothing
+    odc_patches.apply_all(CPU_PATCHES)
+    assert replaced == {name: getattr(importlib.import_module(m), a) for name, (m, a) in CPU_REPLACED.items()}
+
+
+@pytest.mark.parametrize("name", CPU_PATCHES)
+def test_cpu_patch_refuses_other_verl_version(stock_cpu, name):
+    stock_cpu.setattr(verl, "__version__", "0.9.2")
+    with pytest.raises(PatchError, match="targets verl 0.9.1, but verl 0.9.2"):
+        getattr(odc_patches, name).apply()
+
+
+def test_cpu_patches_refuse_changed_targets(stock_cpu):
+    from verl.utils import model as model_utils
+    from verl.workers import engine_workers
+    from verl.workers.engine.fsdp import transformer_impl
+    from verl.workers.rollout import base
+
+    stock_cpu.setattr(engine_workers, "initialize_global_process_group_ray", lambda timeout_second=None: None)
+    with pytest.raises(PatchError, match="is not verl.utils.distributed's any more"):
+        cpu_process_group.apply()
+    stock_cpu.setattr(transformer_impl, "CPUOffloadPolicy", object)
+    with pytest.raises(PatchError, match="CPUOffloadPolicy is not torch's any more"):
+        cpu_offload_unpinned.apply()
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):  # fixed upstream
+        return None
+
+    stock_cpu.setattr(model_utils, "load_valuehead_model", load_valuehead_model)
+    with pytest.raises(PatchError, match="no longer forces flash_attention_2"):
+        cpu_valuehead_attn.apply()
+    stock_cpu.setattr(base, "_ROLLOUT_REGISTRY", {})
+    with pytest.raises(PatchError, match="no longer a dict keyed by"):
+        hf_rollout_registry.apply()

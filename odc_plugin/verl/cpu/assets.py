@@ -1,0 +1,179 @@
+"""Everything a GRPO run on a laptop needs, made offline: arithmetic word problems in verl's GSM8K
+parquet layout, a tokenizer with a chat template, and a tiny Qwen2 warm-started on the task.
+
+A randomly initialised model never writes "#### <number>", so every reward is 0, every GRPO advantage
+is 0 and training does nothing; a short supervised warm start teaches it the answer format and some
+arithmetic, so that rewards vary within a group. Problems take 1 to 4 steps, so responses differ in
+length. Built once and cached (`ODC_VERL_CACHE`, default
+~/.cache/odc-verl); a finished build is moved into place whole, so a crash leaves no half-built cache.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from ..data import GSM8K, GSM8K_INSTRUCTION, make_row
+
+# Bump when anything below changes what gets built: old caches are then ignored.
+VERSION = 1
+IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}" + IM_START + "{{ message['role'] }}\n{{ message['content'] }}" + IM_END
+    + "\n{% endfor %}{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}"
+)
+MODEL_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 512}
+NAMES = ("Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun")
+ITEMS = ("apples", "pens", "coins", "books", "cards", "shells", "stamps", "marbles")
+
+
+@dataclass(frozen=True)
+class Assets:
+    model_dir: str  # tiny Qwen2 + tokenizer, loadable by transformers and verl
+    train_file: str  # parquet, verl's GSM8K layout
+    val_file: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    solution: str  # worked steps, then "#### <answer>"
+    answer: str
+
+
+def make_problem(rng: random.Random) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    value = rng.randint(2, 12)
+    sentences, steps = [f"{name} has {value} {item}."], []
+    for _ in range(rng.randint(1, 4)):
+        amount = rng.randint(1, 5)
+        if rng.random() < 0.5 or amount > value:
+            sentences.append(f"{name} gets {amount} more.")
+            steps.append(f"{value} + {amount} = {value + amount}.")
+            value += amount
+        else:
+            sentences.append(f"{name} gives away {amount}.")
+            steps.append(f"{value} - {amount} = {value - amount}.")
+            value -= amount
+    sentences.append(f"How many {item} does {name} have now?")
+    return Problem(" ".join(sentences), " ".join(steps) + f"\n#### {value}", str(value))
+
+
+def make_problems(n: int, seed: int) -> list[Problem]:
+    rng = random.Random(seed)
+    return [make_problem(rng) for _ in range(n)]
+
+
+def prompt_messages(problem: Problem) -> list[dict]:
+    return make_row(GSM8K, problem.question, GSM8K_INSTRUCTION, problem.answer, "", 0)["prompt"]
+
+
+def build_tokenizer(problems: list[Problem]):
+    """Byte-level BPE trained on the problems, digits split one by one, ChatML-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=[PAD, IM_START, IM_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"user\n{m['content']}" for p in problems for m in prompt_messages(p)]
+    corpus += [f"assistant\n{p.solution}" for p in problems]
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, chat_template=CHAT_TEMPLATE)
+
+
+def build_model(tokenizer, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    eos, pad = tokenizer.convert_tokens_to_ids([IM_END, PAD])
+    config = Qwen2Config(**MODEL_SHAPE, vocab_size=len(tokenizer), tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=eos, pad_token_id=pad, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).to(torch.float32)
+
+
+def warm_start(model, tokenizer, problems: list[Problem], steps: int, seed: int, batch_size: int = 32) -> float:
+    """Supervised steps on prompt -> solution (loss on the response only); returns the last loss."""
+    examples = []
+    for p in problems:
+        prompt = tokenizer.apply_chat_template(prompt_messages(p), add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(prompt + p.solution + IM_END, add_special_tokens=False)["input_ids"]
+        n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        examples.append((ids, n_prompt))
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(0.0)
+    for step in range(steps):
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=g).tolist()]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        mask = torch.zeros((batch_size, width), dtype=torch.long)
+        for row, (ids, n_prompt) in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+            mask[row, : len(ids)] = 1
+        for group in opt.param_groups:  # linear decay: ends near the best the tiny model reaches
+            group["lr"] = 3e-3 * (1 - step / steps)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    return loss.item()
+
+
+def write_parquet(problems: list[Problem], path: str, split: str) -> None:
+    import pandas as pd
+
+    rows = [make_row(GSM8K, p.question, GSM8K_INSTRUCTION, p.answer, split, i) for i, p in enumerate(problems)]
+    pd.DataFrame(rows).to_parquet(path)
+
+
+def cache_root() -> str:
+    return os.environ.get("ODC_VERL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "odc-verl")
+
+
+def build(out_dir: str, *, n_train: int = 512, n_val: int = 64, warm_start_steps: int = 400, seed: int = 0) -> None:
+    """Write the model (+ tokenizer) and the two parquet files into `out_dir`."""
+    problems = make_problems(n_train + n_val, seed)
+    train, val = problems[:n_train], problems[n_train:]
+    tokenizer = build_tokenizer(problems)
+    model = build_model(tokenizer, seed)
+    warm_start(model, tokenizer, train, warm_start_steps, seed)
+    model_dir = os.path.join(out_dir, "model")
+    model.save_pretrained(model_dir)
+    model.generation_config.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    write_parquet(train, os.path.join(out_dir, "train.parquet"), "train")
+    write_parquet(val, os.path.join(out_dir, "test.parquet"), "test")
+
+
+def ensure_assets(root: str | None = None, log=print) -> Assets:
+    """The cached assets, built first if missing."""
+    root = root or cache_root()
+    final = os.path.join(root, f"grpo-cpu-v{VERSION}")
+    if not os.path.isdir(final):
+        os.makedirs(root, exist_ok=True)
+        log(f"building the tiny model, tokenizer and math data set (once) in {final}")
+        staging = tempfile.mkdtemp(prefix=".building-", dir=root)
+        try:
+            build(staging)
+            os.rename(staging, final)
+        except OSError:
+            if not os.path.isdir(final):  # not a concurrent build that finished first
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return Assets(os.path.join(final, "model"), os.path.join(final, "train.parquet"),
+                  os.path.join(final, "test.parquet"))

@@ -1,0 +1,333 @@
+"""`odc-grpo-cpu`: verl's real GRPO trainer (`python -m verl.trainer.main_ppo`) on this machine's CPU,
+once with `strategy=fsdp2` and once with `strategy=odc`, same seed, data and settings, then the A/B
+report of the two runs.
+
+    odc-grpo-cpu [--steps N] [--out DIR] [key=value ...]
+
+Each `key=value` goes to both runs as a hydra override (e.g. actor_rollout_ref.actor.use_dynamic_bsz=False);
+both runs' configurations are composed and validated by verl before either starts. Rollouts come from
+the `hf` rollout in deterministic mode, so the two runs see the same responses as long as their weights
+agree. Progress goes to the terminal; each run's full output to DIR/<strategy>.log, its metrics to
+DIR/<strategy>.jsonl (verl's `file` logger), the report to DIR/report.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from . import PLATFORM_ENV
+from .assets import Assets, ensure_assets
+
+STRATEGIES = ("fsdp2", "odc")
+# The keys that differ between the two runs: one value, the strategy, for every trained role.
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "critic.strategy")
+STEP_LINE = re.compile(r"\bstep:(\d+) - ")
+
+
+def settings(assets: Assets, ranks: int, steps: int, out_dir: str) -> list[str]:
+    """Everything both runs share: a small GRPO job on `ranks` CPU training ranks."""
+    fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+    engine = []
+    for prefix in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp"):
+        # fp32; seeded model set-up (the critic's value head is initialised at random)
+        engine += [f"+{prefix}.mixed_precision={fp32}", f"{prefix}.use_torch_compile=False",
+                   f"{prefix}.full_determinism=True"]
+    return [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={assets.train_file}",
+        f"data.val_files={assets.val_file}",
+        "data.train_batch_size=8",
+        "data.max_prompt_length=96",
+        "data.max_response_length=64",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=error",
+        "data.seed=1",
+        # verl starts 8 data-loader, agent-loop, reward and TransferQueue storage processes each by default;
+        # every one imports torch and verl, which on two cores costs minutes and gigabytes for nothing.
+        "data.dataloader_num_workers=0",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        f"actor_rollout_ref.model.path={assets.model_dir}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        # used when a run trains a critic (algorithm.adv_estimator=gae)
+        f"critic.model.path={assets.model_dir}",
+        "+critic.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        # a sample or two per micro-batch, several micro-batches per rank: each rank packs its own (odc),
+        # or every rank runs as many as the busiest (verl's same_micro_num_in_dp, fsdp2)
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.dtype=float32",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={ranks}",
+        "actor_rollout_ref.rollout.full_determinism=True",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024",
+        *engine,
+        "trainer.device=cpu",
+        f"trainer.n_gpus_per_node={ranks}",
+        "trainer.nnodes=1",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=odc_grpo_cpu",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={os.path.join(out_dir, 'checkpoints')}",
+        # verl counts accelerators in Ray's "GPU" resource; each training rank claims one (no CUDA is used).
+        f"+ray_kwargs.ray_init.num_gpus={ranks}",
+        # verl's placement groups ask for several CPUs per rank; a laptop has fewer than they add up to.
+        "ray_kwargs.ray_init.num_cpus=32",
+        "+ray_kwargs.ray_init.include_dashboard=False",
+    ]
+
+
+def strategy_args(strategy: str) -> list[str]:
+    return [f"{key}={strategy}" for key in STRATEGY_KEYS]
+
+
+def run_args(shared: list[str], strategy: str, overrides: list[str], metrics_file: str) -> list[str]:
+    # hydra's own files (config dump, job log) next to the run's, not in the caller's directory
+    hydra_dir = os.path.join(os.path.dirname(metrics_file), f"hydra-{strategy}")
+    return [*shared, *strategy_args(strategy), f"trainer.experiment_name={strategy}", f"hydra.run.dir={hydra_dir}",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_file}",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.{PLATFORM_ENV}=cpu", *overrides]
+
+
+class ConfigRejected(ValueError):
+    """verl refused the composed configuration of a run."""
+
+
+def validate(args: list[str], strategy: str) -> None:
+    """Compose the run's configuration as `main_ppo` does and run verl's own checks (no Ray, no training)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .. import ppo_config
+
+    try:
+        ppo_config.check(ppo_config.compose(args))
+    except (HydraException, OmegaConfBaseException, AssertionError, ValueError, TypeError) as e:
+        cause = e
+        while isinstance(cause, HydraException) and cause.__cause__ is not None:  # hydra wraps a target's error
+            cause = cause.__cause__
+        message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ConfigRejected(f"verl rejects the {strategy} run's configuration: {message}") from e
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    returncode: int
+    wall_s: float
+    peak_pss_gib: float  # proportional set size of the trainer's process tree (driver, Ray, workers, rollout)
+    steps: int  # training steps the run logged
+    log_file: str
+    metrics_file: str
+    ray_dir: str  # the Ray session's directory (removed afterwards); no process may still name it
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def ray_processes(ray_dir: str) -> list:
+    """Processes of the Ray cluster started with `_temp_dir=ray_dir` (gcs, raylet, workers, ...)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(ray_dir in part for part in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _kill(procs) -> None:
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+class _Watch(threading.Thread):
+    """Samples the run's memory, and kills the run at its deadline."""
+
+    def __init__(self, proc: subprocess.Popen, ray_dir: str, timeout_s: float):
+        super().__init__(daemon=True)
+        self.proc, self.ray_dir, self.deadline = proc, ray_dir, time.monotonic() + timeout_s
+        self.peak_pss, self.timed_out, self.seen = 0, False, {}
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self._stop_event.wait(0.5):
+            total = 0
+            for proc in _tree(self.proc.pid):
+                self.seen[proc.pid] = proc
+                try:
+                    total += proc.memory_full_info().pss  # shared pages (torch, verl) counted once
+                except psutil.Error:
+                    pass
+            self.peak_pss = max(self.peak_pss, total)
+            if time.monotonic() > self.deadline and self.proc.poll() is None:
+                self.timed_out = True
+                _kill(_tree(self.proc.pid))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+        # Ray daemons outlive a killed driver; nothing of this run may stay behind.
+        _kill([p for p in self.seen.values() if p.is_running()] + ray_processes(self.ray_dir))
+
+
+def run_trainer(strategy: str, args: list[str], out_dir: str, steps: int, timeout_s: float, echo=print) -> RunResult:
+    """One `python -m verl.trainer.main_ppo` run; its output goes to DIR/<strategy>.log, progress to `echo`."""
+    log_file = os.path.join(out_dir, f"{strategy}.log")
+    metrics_file = os.path.join(out_dir, f"{strategy}.jsonl")
+    if os.path.exists(metrics_file):
+        os.remove(metrics_file)  # verl's file logger appends
+    # Ray's socket paths must stay short (AF_UNIX), so its session lives under /tmp, not under `out_dir`.
+    ray_dir = tempfile.mkdtemp(prefix="odc-ray-")
+    env = {**os.environ, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file, "PYTHONUNBUFFERED": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # an empty value makes Ray hide its fake GPUs
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *args, f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]
+    start = time.monotonic()
+    done = 0
+    with open(log_file, "w", encoding="utf-8") as log:
+        log.write(shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                                errors="replace", start_new_session=True)
+        watch = _Watch(proc, ray_dir, timeout_s)
+        watch.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                match = STEP_LINE.search(line)
+                if match:
+                    done = int(match.group(1))
+                    seconds = re.search(r"timing_s/step:([0-9.]+)", line)
+                    took = f" ({float(seconds.group(1)):.1f} s)" if seconds else ""
+                    echo(f"  {strategy}: step {done}/{steps} done{took}")
+            proc.wait()
+        except BaseException:
+            _kill(_tree(proc.pid))
+            raise
+        finally:
+            watch.stop()
+            shutil.rmtree(ray_dir, ignore_errors=True)
+    wall = time.monotonic() - start
+    returncode = proc.returncode if not watch.timed_out else -signal.SIGKILL
+    if watch.timed_out:
+        with open(log_file, "a", encoding="utf-8") as log:
+            log.write(f"\nodc-grpo-cpu: killed after {timeout_s:g} s\n")
+    return RunResult(strategy, returncode, wall, watch.peak_pss / 2**30, done, log_file, metrics_file, ray_dir)
+
+
+def last_error(log_file: str) -> str:
+    """The last line of a failed run's output that names an error."""
+    with open(log_file, encoding="utf-8", errors="replace") as fp:
+        lines = [line.strip() for line in fp if line.strip()]
+    errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line)]
+    return (errors or lines or ["(no output)"])[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="odc-grpo-cpu", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
+    parser.add_argument("--out", default="odc_grpo_cpu", help="output directory (default ./odc_grpo_cpu)")
+    parser.add_argument("--ranks", type=int, default=2, help="training ranks (CPU processes) per run (default 2)")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
+                        help="which runs, in order (default: fsdp2 odc)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is killed")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for both runs")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.ranks < 1:
+        parser.error(f"--ranks must be >= 1, got {args.ranks}")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        parser.error(f"overrides are key=value, got {bad[0]!r}")
+
+    out_dir = os.path.abspath(args.out)
+    os.makedirs(out_dir, exist_ok=True)
+    os.environ[PLATFORM_ENV] = "cpu"  # for the configuration checks below, as in the runs
+    assets = ensure_assets()
+    shared = settings(assets, args.ranks, args.steps, out_dir)
+    plan = {s: run_args(shared, s, args.overrides, os.path.join(out_dir, f"{s}.jsonl")) for s in args.strategies}
+    try:
+        for strategy, run in plan.items():
+            validate(run, strategy)
+    except ConfigRejected as e:
+        print(f"odc-grpo-cpu: {e}", file=sys.stderr)
+        return 2
+
+    first = args.strategies[0]
+    print(f"verl GRPO on CPU, {args.ranks} training ranks, {args.steps} steps per run; output in {out_dir}")
+    command = shlex.join([sys.executable, "-m", "verl.trainer.main_ppo", *plan[first]])
+    print(f"command ({first}):\n  {PLATFORM_ENV}=cpu {command}")
+    for strategy in args.strategies[1:]:
+        print(f"the {strategy} run differs in: {' '.join(strategy_args(strategy))} "
+              f"(and its experiment name and metrics file)")
+    results = []
+    for strategy, run in plan.items():
+        print(f"run {strategy}: starting (full log: {os.path.join(out_dir, strategy + '.log')})")
+        result = run_trainer(strategy, run, out_dir, args.steps, args.timeout_s)
+        results.append(result)
+        print(f"run {strategy}: {'finished' if result.returncode == 0 else 'FAILED'} in {result.wall_s:.0f} s, "
+              f"{result.steps} steps, peak memory {result.peak_pss_gib:.1f} GiB")
+        if result.returncode != 0:
+            print(f"odc-grpo-cpu: the {strategy} run failed (exit code {result.returncode}): "
+                  f"{last_error(result.log_file)}\n  see {result.log_file}", file=sys.stderr)
+            return 1
+    if len(results) == 2:
+        from .. import ab_report
+
+        report = ab_report.format_report(ab_report.compare(
+            *(ab_report.load_run(r.metrics_file, r.strategy, skip_first=1 if args.steps > 1 else 0) for r in results)))
+        with open(os.path.join(out_dir, "report.txt"), "w", encoding="utf-8") as fp:
+            fp.write(report + "\n")
+        print("\n" + report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The user's path, end to end: verl 0.9.1's real `python -m verl.trainer.main_ppo` (v1 trainer, Ray,
+TransferQueue, agent loop, reward scorer, weight sync to the rollout) with `strategy=fsdp2` and with
+`strategy=odc`, on 2 CPU training ranks, through `odc-grpo-cpu` and the module behind it.
+
+Every run is the real trainer in its own process tree; a run's metrics are what verl's `file` logger
+wrote. The rollout is `hf` in deterministic mode, so two runs whose weights agree see the same
+responses. A few minutes in all (each run ~1-2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from odc_plugin.verl.ab_report import read_metrics
+from odc_plugin.verl.cpu import grpo
+from odc_plugin.verl.cpu.assets import ensure_assets
+
+RANKS = 2
+RUN_TIMEOUT_S = 900
+ODC_OPTIONS = ["hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc"]
+KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
+PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-4",
+       # every step saved, with HF weights to compare across strategies
+       "trainer.save_freq=1",
+       "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+       "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]",
+       "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+       "critic.checkpoint.load_contents=[model,optimizer,extra]"]
+
+
+@pytest.fixture(scope="module")
+def assets():
+    return ensure_assets()
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("main_ppo")
+
+
+class Trained:
+    def __init__(self, result: grpo.RunResult):
+        self.result = result
+        self.metrics = read_metrics(result.metrics_file) if os.path.exists(result.metrics_file) else {}
+
+    def log(self) -> str:
+        with open(self.result.log_file, encoding="utf-8", errors="replace") as fp:
+            return fp.read()
+
+    def assert_ok(self, steps: int) -> None:
+        assert self.result.returncode == 0, grpo.last_error(self.result.log_file)
+        assert sorted(self.metrics) == list(range(1, steps + 1))
+        assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
+
+
+def train(out, assets, name: str, strategy: str, steps: int, overrides=(), timeout_s=RUN_TIMEOUT_S) -> Trained:
+    run_dir = out / name
+    run_dir.mkdir(exist_ok=True)
+    args = grpo.run_args(grpo.settings(assets, RANKS, steps, str(run_dir)), strategy, list(overrides),
+                         str(run_dir / f"{strategy}.jsonl"))
+    return Trained(grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None))
+
+
+def leftover_ray_processes() -> list:
+    return [p for p in psutil.process_iter(["cmdline"]) if any("odc-ray-" in c for c in p.info["cmdline"] or ())]
+
+
+def close(a: float, b: float, rtol: float) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO: odc-grpo-cpu, the command a user runs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpo_cli(out, assets):
+    """`odc-grpo-cpu --steps 3` with the KL loss on (so the reference model is built as each strategy's engine)."""
+    run_dir = out / "grpo"
+    proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", "--steps", "3", "--out", str(run_dir),
+                           *KL_LOSS], capture_output=True, text=True, timeout=2 * RUN_TIMEOUT_S)
+    runs = {s: read_metrics(str(run_dir / f"{s}.jsonl")) for s in grpo.STRATEGIES if (run_dir / f"{s}.jsonl").exists()}
+    logs = {s: (run_dir / f"{s}.log").read_text(errors="replace") for s in runs}
+    return proc, runs, logs
+
+
+def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli):
+    proc, runs, _ = grpo_cli
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for strategy in grpo.STRATEGIES:
+        assert sorted(runs[strategy]) == [1, 2, 3], strategy
+        for step in (1, 2, 3):
+            assert f"  {strategy}: step {step}/3 done" in proc.stdout
+    # the exact command, and the one key that differs
+    assert "VERL_PLATFORM=cpu" in proc.stdout and "-m verl.trainer.main_ppo" in proc.stdout
+    assert "actor_rollout_ref.actor.strategy=fsdp2" in proc.stdout
+    assert "the odc run differs in: actor_rollout_ref.actor.strategy=odc critic.strategy=odc" in proc.stdout
+    assert "speedup odc over fsdp2: update phase" in proc.stdout
+    assert "LB-Mini plan efficiency" in proc.stdout
+    assert not leftover_ray_processes()
+
+
+def test_odc_run_logs_odc_metrics_and_uneven_shares(grpo_cli):
+    _, runs, _ = grpo_cli
+    odc = runs["odc"]
+    for metrics in odc.values():
+        for key in ("actor/odc/compute_s_mean", "actor/odc/wait_s_max", "actor/odc/compute_imbalance",
+                    "odc_balance/efficiency", "odc_balance/samples_min", "odc_balance/samples_max"):
+            assert key in metrics, key
+    assert not any(k.startswith(("actor/odc/", "odc_balance/")) for m in runs["fsdp2"].values() for k in m)
+    # LB-Mini balanced cost, not counts: in some step the two ranks trained different numbers of samples
+    # (or of micro-batches)
+    uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] != m["odc_balance/samples_max"]
+              or m["actor/odc/micro_batches_min"] != m["actor/odc/micro_batches_max"]]
+    assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
+
+
+def test_step_one_equals_fsdp2(grpo_cli):
+    """One mini-batch per step, the same rollouts: the first update is the same math on the same data.
+
+    fp32 everywhere; what differs is how the gradient sum is split and ordered (LB-Mini shares vs equal
+    shares, ODC's accumulates vs gloo's reduce-scatter), so the two agree to float32 rounding of sums over a
+    few thousand tokens: ~1e-7 relative. 1e-5 leaves room for that and catches any real difference (a
+    dropped or doubled sample changes these by percents)."""
+    _, runs, _ = grpo_cli
+    fsdp2, odc = runs["fsdp2"][1], runs["odc"][1]
+    for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean"):  # the same rollouts
+        assert fsdp2[key] == odc[key], key
+    assert close(fsdp2["actor/grad_norm"], odc["actor/grad_norm"], 1e-5), (fsdp2["actor/grad_norm"],
+                                                                          odc["actor/grad_norm"])
+    assert abs(fsdp2["actor/pg_loss"] - odc["actor/pg_loss"]) <= 1e-5 * max(1.0, abs(fsdp2["actor/pg_loss"]))
+    assert fsdp2["actor/grad_norm"] > 0  # rewards vary within groups: there is something to learn
+
+
+def test_kl_loss_runs_with_the_reference_model_as_an_odc_engine(grpo_cli):
+    _, runs, logs = grpo_cli
+    for strategy in grpo.STRATEGIES:
+        assert all("actor/kl_loss" in m for m in runs[strategy].values()), strategy
+    assert "odc: ODCEngineWithLMHead (forward only) on 2 ranks" in logs["odc"]
+    assert "odc: ODCEngineWithLMHead on 2 ranks" in logs["odc"]
+    assert "odc: ODCEngine" not in logs["fsdp2"]
+
+
+def test_cli_refuses_a_bad_override_before_any_training(tmp_path, capsys):
+    assert grpo.main(["--out", str(tmp_path), "actor_rollout_ref.actor.no_such_key=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("odc-grpo-cpu: verl rejects the fsdp2 run's configuration:")
+    assert "no_such_key" in err[-1]
+    assert not list(tmp_path.glob("*.log"))  # nothing was started
+    # valid for fsdp2, refused for odc: still nothing runs
+    assert grpo.main(["--out", str(tmp_path), *ODC_OPTIONS[:1], "critic.fsdp.odc_balancer=lb_nano"]) == 2
+    assert not list(tmp_path.glob("*.log"))
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO with a critic, checkpoints across strategies
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ppo(out, assets):
+    return {s: train(out, assets, f"ppo-{s}", s, 2, PPO) for s in grpo.STRATEGIES}
+
+
+def test_ppo_with_a_critic(ppo):
+    for strategy in grpo.STRATEGIES:
+        ppo[strategy].assert_ok(2)
+    fsdp2, odc = ppo["fsdp2"].metrics[1], ppo["odc"].metrics[1]
+    for key in ("critic/odc/compute_s_mean", "critic/odc/wait_s_max", "odc_balance/critic/efficiency"):
+        assert key in odc, key
+    # the critic starts from the same weights and sees the same rollouts: its values are those of the same
+    # model, its loss and gradient the same math (see test_step_one_equals_fsdp2 for the tolerance)
+    for key in ("critic/values/mean", "critic/vf_loss", "critic/grad_norm", "actor/grad_norm"):
+        assert close(fsdp2[key], odc[key], 1e-5), (key, fsdp2[key], odc[key])
+
+
+def _hf_weights(run: Trained, step: int, role: str) -> dict:
+    from safetensors.torch import load_file
+
+    ckpt = os.path.join(os.path.dirname(run.result.log_file), "checkpoints", f"global_step_{step}", role,
+                        "huggingface")
+    files = [f for f in os.listdir(ckpt) if f.endswith(".safetensors")]
+    assert files, f"no HF weights under {ckpt}"
+    state = {}
+    for f in files:
+        state.update(load_file(os.path.join(ckpt, f)))
+    return state
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [("odc", "fsdp2"), ("fsdp2", "odc")])
+def test_resume_a_checkpoint_under_the_other_strategy(out, assets, ppo, saved_by, resumed_by):
+    """Save under one strategy at step 1, resume under the other and train step 2: the resumed run's step 2
+    is the saving run's step 2 (same rollouts, same gradient norms) and its saved weights equal the
+    saving run's step-2 weights, actor and critic: the weights and optimizer state loaded are the ones
+    saved."""
+    saved = ppo[saved_by]
+    saved.assert_ok(2)
+    step1 = os.path.join(os.path.dirname(saved.result.log_file), "checkpoints", "global_step_1")
+    resumed = train(out, assets, f"resume-{saved_by}-{resumed_by}", resumed_by, 2,
+                    [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}"])
+    assert resumed.result.returncode == 0, grpo.last_error(resumed.result.log_file)
+    assert sorted(resumed.metrics) == [2], "the resumed run starts after the checkpoint's step"
+    a, b = saved.metrics[2], resumed.metrics[2]
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert a[key] == b[key], key
+    for key in ("actor/grad_norm", "critic/grad_norm", "critic/vf_loss"):
+        assert close(a[key], b[key], 1e-5), (key, a[key], b[key])
+    for role in ("actor", "critic"):
+        want, got = _hf_weights(saved, 2, role), _hf_weights(resumed, 2, role)
+        assert want.keys() == got.keys()
+        worst = max((want[k] - got[k]).abs().max().item() for k in want)
+        assert worst <= 1e-5, (role, worst)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input and failing workers through the real trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_invalid_odc_option_fails_at_start_up(out, assets):
+    run = train(out, assets, "bad-option", "odc", 1,
+                [*ODC_OPTIONS, "actor_rollout_ref.actor.fsdp_config.odc_transport=tcp"], timeout_s=300)
+    assert run.result.returncode != 0
+    error = grpo.last_error(run.result.log_file)
+    assert "odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'" in error
+    assert run.result.steps == 0 and not run.metrics
+    assert not grpo.ray_processes(run.result.ray_dir)
+
+
+def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
+    """An odc run; one training worker is killed as soon as it is inside an actor update."""
+    result: dict = {}
+    overrides = [*ODC_OPTIONS, f"actor_rollout_ref.actor.fsdp_config.odc_barrier_timeout_s={barrier_timeout_s}"]
+    thread = threading.Thread(target=lambda: result.update(run=train(out, assets, name, "odc", 3, overrides)))
+    thread.start()
+    hit_at = None
+    while thread.is_alive() and hit_at is None:
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = proc.info["cmdline"] or []
+            if cmdline and cmdline[0].startswith("ray::WorkerDict.actor_rollout_update_actor"):
+                proc.kill()
+                hit_at = time.monotonic()
+                break
+        time.sleep(0.005)
+    thread.join()
+    assert hit_at is not None, "no actor update was seen"
+    return result["run"], time.monotonic() - hit_at
+
+
+def test_killed_worker_ends_the_job(out, assets):
+    """Ray sees the death first: the job ends at once, naming it, well inside ODC's barrier timeout (the
+    surviving rank would otherwise give up at the end of the mini-batch, naming the rank that did not
+    arrive: tests/fsdp, test_killed_rank_makes_the_others_time_out_naming_it)."""
+    run, after = _train_and_kill_a_worker(out, assets, "killed", barrier_timeout_s=30)
+    assert run.result.returncode != 0
+    assert "ActorDiedError" in grpo.last_error(run.result.log_file)
+    assert after < 30 + 60
+    assert not grpo.ray_processes(run.result.ray_dir)
