@@ -42,17 +42,19 @@ def _store_release_kernel(flag_ptr, value):
 
 
 @triton.jit
-def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, BLOCK: tl.constexpr):
+def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, rounds, BLOCK: tl.constexpr):
     # The owner's host does not know what a slot holds: the header, delivered by the same put as the
     # payload, says where to add (element offset), how much, in which dtype and into which region (an
     # index into the table of accumulator addresses). Layout: odc_plugin/comm/nvshmem.py, HEADER_BYTES.
+    # The loop runs over the slot's capacity (`rounds`, from the host), the mask over the header's count:
+    # loop bounds read from device memory are not portable (Triton's interpreter cannot take them).
     pid = tl.program_id(0)
     base = tl.load(hdr_ptr)
     n = tl.load(hdr_ptr + 1)
     code = tl.load(hdr_ptr + 2)
     acc_ptr = tl.load(table_ptr + tl.load(hdr_ptr + 3)).to(tl.pointer_type(tl.float32))
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    for r in range(rounds):
+        offs = (r * nprog + pid) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         if code == 1:
             x = tl.load(pay_bf16_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -95,5 +97,6 @@ def fold_slot(slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, heade
     hdr = slot[:header_bytes].view(torch.int64)
     payload = slot[header_bytes:]
     nprog = max(1, min(triton.cdiv(max_numel, BLOCK), 1024))
+    rounds = triton.cdiv(max(max_numel, 1), nprog * BLOCK)
     _fold_kernel[(nprog,)](hdr, payload.view(torch.float32), payload.view(torch.bfloat16), acc_table, nprog,
-                           BLOCK=BLOCK)
+                           rounds, BLOCK=BLOCK)
