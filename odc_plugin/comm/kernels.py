@@ -42,18 +42,18 @@ def _store_release_kernel(flag_ptr, value):
 
 
 @triton.jit
-def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, rounds, BLOCK: tl.constexpr):
+def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
     # The owner's host does not know what a slot holds: the header, delivered by the same put as the
     # payload, says where to add (element offset), how much, in which dtype and into which region (an
     # index into the table of accumulator addresses). Layout: odc_plugin/comm/nvshmem.py, HEADER_BYTES.
-    # The loop runs over the slot's capacity (`rounds`, from the host), the mask over the header's count:
-    # loop bounds read from device memory are not portable (Triton's interpreter cannot take them).
+    # The loop runs over the slot's capacity (ROUNDS, a compile-time constant: one value per slot size),
+    # the mask over the header's count: Triton's interpreter takes no loop bound that is a runtime value.
     pid = tl.program_id(0)
     base = tl.load(hdr_ptr)
     n = tl.load(hdr_ptr + 1)
     code = tl.load(hdr_ptr + 2)
     acc_ptr = tl.load(table_ptr + tl.load(hdr_ptr + 3)).to(tl.pointer_type(tl.float32))
-    for r in range(rounds):
+    for r in range(ROUNDS):
         offs = (r * nprog + pid) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         if code == 1:
@@ -88,15 +88,17 @@ def store_release(flag: torch.Tensor, value: int) -> None:
     _store_release_kernel[(1,)](flag, int(value))
 
 
-def fold_slot(slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, header_bytes: int) -> None:
+def fold_slot(slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, header_bytes: int,
+              max_programs: int = 1024) -> None:
     """Add a staging slot's payload into the accumulator its header names (all read on the device).
 
     `slot` is uint8 (header, then payload); `acc_table` holds the accumulators' addresses (int64);
-    `max_numel` bounds the payload and only sizes the grid.
+    `max_numel` bounds the payload (elements) and sizes the work; at most `max_programs` programs share
+    it, each striding over the payload.
     """
     hdr = slot[:header_bytes].view(torch.int64)
     payload = slot[header_bytes:]
-    nprog = max(1, min(triton.cdiv(max_numel, BLOCK), 1024))
+    nprog = max(1, min(triton.cdiv(max_numel, BLOCK), max_programs))
     rounds = triton.cdiv(max(max_numel, 1), nprog * BLOCK)
     _fold_kernel[(nprog,)](hdr, payload.view(torch.float32), payload.view(torch.bfloat16), acc_table, nprog,
-                           rounds, BLOCK=BLOCK)
+                           ROUNDS=rounds, BLOCK=BLOCK)

@@ -47,7 +47,7 @@ def check_kernels(kernels, device):
     slot = torch.zeros(HEADER_BYTES + 4 * 3000, dtype=torch.uint8, device=device)
     src = torch.arange(3000, dtype=torch.float32, device=device) % 61
     assert pack_slot(slot, 1000, src, 0) == HEADER_BYTES + 4 * 3000
-    kernels.fold_slot(slot, table, 1, HEADER_BYTES)  # one program: the loop strides over the payload
+    kernels.fold_slot(slot, table, 3000, HEADER_BYTES, max_programs=1)  # one program strides over it all
     assert pack_slot(slot, 17, src[:200].to(torch.bfloat16), 1) == HEADER_BYTES + 2 * 200
     kernels.fold_slot(slot, table, 3000, HEADER_BYTES)
     want_a = torch.zeros(5000, device=device)
