@@ -7,7 +7,7 @@ reduction) is the same in all three and left out.
 
     odc-plan --lengths rl --cost flops --model Qwen2.5-7B
     odc-plan --lengths data.parquet:num_tokens --ranks 16 32 --minibatch-sizes 512 --json
-    odc-plan --cost fit --fit-file configs/cost_fit/Qwen2.5-7B-nvidia-h100-80gb-hbm3.json
+    odc-plan --cost fit --fit-file configs/cost_fit/Qwen2.5-7B-H100.json
 """
 
 from __future__ import annotations
