@@ -39,6 +39,10 @@ class ODCConfig:
     barrier_timeout_s: float = 600.0
     # None keeps FSDP2's default: the mean over ranks of each rank's summed micro-batch gradients.
     gradient_divide_factor: float | None = None
+    # A barrier before every gather and scatter inside the mini-batch: FSDP's per-layer synchronization
+    # on ODC's transport, the baseline that isolates what removing the barriers buys (benchmarks only;
+    # like FSDP it needs every rank to run the same micro-batches through the same modules).
+    lockstep: bool = False
 
     def __post_init__(self):
         if not self.barrier_timeout_s > 0:
@@ -222,6 +226,8 @@ class _OnDemandAllGather(_BufferAlloc, AllGather):
         chunks = output_tensor.view(odc.world_size, -1)
         if chunks[0].numel() * chunks.element_size() != layout.param_nbytes:
             raise RuntimeError("FSDP's all-gather layout changed after apply_odc(); call apply_odc() again")
+        if odc.config.lockstep:
+            odc.transport.barrier(odc.config.barrier_timeout_s)
         for peer in odc.peers():
             odc.wait_published(peer)
             odc.transport.get(odc.params, peer, layout.param_offset, chunks[peer].view(torch.uint8))
@@ -277,6 +283,8 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
     def _send(self) -> None:
         odc, layout, chunks = self.odc, self.layout, self._input
         self._input = None
+        if odc.config.lockstep:
+            odc.transport.barrier(odc.config.barrier_timeout_s)
         if self._ones is None:
             self._ones = torch.ones(len(layout.slots), device=chunks.device)
         # Consecutive slots are contiguous in both FSDP's input and the accumulator: one accumulate per
