@@ -1,11 +1,12 @@
-"""Stock FSDP2 vs ODC when the work of a mini-batch is imbalanced across ranks.
+"""The four A/B rows (odc_plugin/rows.py) when every micro-batch is lopsided across ranks.
 
 Each mini-batch has M micro-batches per rank. In micro-batch i, rank i % W gets `--skew` times the
-tokens of the others, so every rank's total is the same but every single micro-batch is lopsided:
-FSDP2's per-layer collectives make each micro-batch cost its slowest rank, while ODC ranks only meet at
-the end of the mini-batch. A balanced case (skew 1) shows ODC's own overhead. Both run in the same
-processes, alternating mini-batch by mini-batch from identical weights, and the ratio of median step
-times is printed.
+tokens of the others, so every rank's total is the same but every single micro-batch is lopsided: this
+layout is the plan of the three `lb_micro` rows, whose lockstep ones pay each micro-batch's slowest
+rank at every layer; `odc+lb_mini` trains the same samples as LB-Mini spreads them. A balanced case
+(skew 1) measures ODC's own overhead against the lockstep baseline on the same transport, and the
+transport itself (stock FSDP2's collectives vs ODC's copies) as a separate factor. All rows run in the
+same processes, taking turns mini-batch by mini-batch from identical weights.
 
 CPU ranks (gloo, shared-memory transport) by default. `--device cuda` runs one rank per GPU (NCCL,
 CUDA IPC transport); with one rank it measures ODC's own overhead on a GPU (publishing shards, the
@@ -20,36 +21,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from odc_plugin.comm import make_transport
-from odc_plugin.fsdp import apply_odc
+from odc_plugin.balance import get_cost_model, lb_mini
 from odc_plugin.launch import run_ranks
-from odc_plugin.models import MODEL_SIZES, build_qwen2, shard_qwen2, token_mean_loss
-
+from odc_plugin.models import MODEL_SIZES, build_qwen2, qwen2_config, shard_qwen2, token_mean_loss
+from odc_plugin.rows import FACTORS, ROWS, build_rows, factors, plan_of, train_minibatch
 
 TRANSPORT = {"cpu": "shm", "cuda": "cuda_ipc"}
 
 
-def minibatch(rank, world, step, micro_batches, base_len, skew, vocab, device):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    seqs = []
+def skewed_plan(world, micro_batches, base_len, skew):
+    """Sample lengths of one mini-batch and, per rank, its micro-batches of sample indices."""
+    lengths, plan = [], [[] for _ in range(world)]
     for i in range(micro_batches):
-        length = base_len * (skew if i % world == rank else 1)
-        seqs.append([torch.randint(0, vocab, (length,), generator=g).to(device)])
-    return seqs
-
-
-def sync(device):
-    """Wait for queued GPU work, so that a step's time is its whole time."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
+        for rank in range(world):
+            plan[rank].append([len(lengths)])
+            lengths.append(base_len * (skew if i % world == rank else 1))
+    return lengths, plan
 
 
 def rank_body(rank, world, size, steps, micro_batches, base_len, skew, device, mixed_precision):
@@ -57,34 +49,23 @@ def rank_body(rank, world, size, steps, micro_batches, base_len, skew, device, m
         torch.cuda.set_device(rank)
     mesh = init_device_mesh(device, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    fsdp_model = shard_qwen2(build_qwen2(size).to(device), mesh, mp)
-    odc_model = shard_qwen2(build_qwen2(size).to(device), mesh, mp)
-    odc = apply_odc(odc_model, make_transport(TRANSPORT[device]))
-    runs = {"fsdp2": (fsdp_model, None), "odc": (odc_model, odc)}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in runs.items()}
+    rows = build_rows(lambda: shard_qwen2(build_qwen2(size).to(device), mesh, mp), TRANSPORT[device], lr=1e-4)
     vocab = MODEL_SIZES[size].vocab_size
-    # Total tokens over all ranks: each micro-batch has one skewed rank.
-    global_tokens = micro_batches * (base_len * (skew + world - 1) - world)
-    times = {k: [] for k in runs}
+    lengths, micro_plan = skewed_plan(world, micro_batches, base_len, skew)
+    cost = get_cost_model("flops", model=qwen2_config(size))
+    plans = {"lb_micro": micro_plan, "lb_mini": lb_mini(lengths, world, base_len * skew, cost=cost)}
+    global_tokens = sum(lengths) - len(lengths)  # next-token targets over all ranks
+    times = {row: [] for row in ROWS}
     for step in range(steps + 1):  # step 0 warms up
-        order = list(runs) if step % 2 == 0 else list(reversed(runs))
-        for name in order:
-            model, comm = runs[name]
-            data = minibatch(rank, world, step, micro_batches, base_len, skew, vocab, device)
-            sync(device)
-            start = time.perf_counter()
-            if comm:
-                comm.begin()
-            for seqs in data:
-                token_mean_loss(model, seqs, global_tokens, world).backward()
-            if comm:
-                comm.end()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opts[name].step()
-            opts[name].zero_grad()
-            sync(device)
+        seqs = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 * step + i)).to(device)
+                for i, n in enumerate(lengths)]
+        for row in ROWS[step % len(ROWS):] + ROWS[: step % len(ROWS)]:
+            model = rows[row].model
+            losses = [lambda mb=mb, m=model: token_mean_loss(m, [seqs[i] for i in mb], global_tokens, world)
+                      for mb in plans[plan_of(row)][rank]]
+            elapsed = train_minibatch(rows[row], losses, device)["step_s"]
             if step:
-                times[name].append(time.perf_counter() - start)
+                times[row].append(elapsed)
     return times
 
 
@@ -107,16 +88,16 @@ def main():
     where = "CPU ranks x 1 thread" if args.device == "cpu" else f"GPU ranks ({torch.cuda.get_device_name()})"
     print(f"{args.ranks} {where}, model '{args.model_size}'{' bf16/fp32' if args.mixed_precision else ''}, "
           f"{args.micro_batches} micro-batches per rank, base length {args.base_len}, {args.steps} timed "
-          "mini-batches per mode")
-    print(f"{'case':<28}{'fsdp2 s/step':>14}{'odc s/step':>12}{'fsdp2/odc':>11}")
+          "mini-batches per row")
+    print(f"{'case':<28}" + "".join(f"{row:>19}" for row in ROWS) + "".join(f"{name:>17}" for name in FACTORS))
     backend = "nccl" if args.device == "cuda" else "gloo"
     for skew in args.skews:
         times = run_ranks(rank_body, args.ranks, args.model_size, args.steps, args.micro_batches,
                           args.base_len, skew, args.device, args.mixed_precision, backend=backend)[0]
-        ratios = [f / o for f, o in zip(times["fsdp2"], times["odc"])]
-        fsdp, odc = statistics.median(times["fsdp2"]), statistics.median(times["odc"])
         label = f"skew {skew}x per micro-batch" if skew > 1 else "balanced (overhead)"
-        print(f"{label:<28}{fsdp:>14.3f}{odc:>12.3f}{statistics.median(ratios):>11.3f}")
+        medians = "".join(f"{statistics.median(times[row]):>19.3f}" for row in ROWS)
+        print(f"{label:<28}{medians}" + "".join(f"{f:>16.3f}x" for f in factors(times).values()))
+    print("s/step medians per row; factors are medians of per-mini-batch ratios (odc+lb_mini: over lockstep)")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""`odc-demo`: a real stock-FSDP2 vs ODC A/B on CPU processes, with GRPO-like mini-batches.
+"""`odc-demo`: four A/B rows of real FSDP2 and ODC training on CPU processes, and what each step buys.
 
-Both runs train the same small Qwen2-architecture model from the same weights on the same mini-batches,
-alternating mini-batch by mini-batch so that machine noise hits both alike:
+Every row trains the same small Qwen2-architecture model from the same weights on the same mini-batches,
+in the same processes, the rows taking turns mini-batch by mini-batch so that machine noise hits all
+alike (rows and factors: odc_plugin/rows.py):
 
-  (a) stock FSDP2, samples spread by verl's LB-Micro (equal counts, same micro-batch count per rank);
-  (b) ODC, samples spread by LB-Mini (each rank's total work balanced, counts free).
+  fsdp2+lb_micro     stock FSDP2 over gloo, samples spread by verl's LB-Micro
+  lockstep+lb_micro  FSDP's per-layer synchronization on ODC's shared-memory transport, same spread
+  odc+lb_micro       ODC, same spread: ranks meet once per mini-batch
+  odc+lb_mini        ODC, samples spread by LB-Mini: each rank's total work balanced
 
-It prints a table, writes a JSON report and a PNG of per-rank compute-vs-communication timelines.
+Workloads: GRPO-like RL math rollouts (long-tailed responses, several micro-batches per rank) or
+long-context SFT (short chats mixed with long documents). A cost fit a*s^2 + b*s is calibrated on this
+CPU first; LB-Mini balances with it and the planner predicts each row's step time from it, printed next
+to what was measured. Writes a JSON report and a PNG of per-rank compute / communication / waiting.
 """
 
 from __future__ import annotations
@@ -22,14 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .balance import get_cost_model, lb_micro, lb_mini, load_lengths, rl_math_like
-from .comm import make_transport
-from .fsdp import apply_odc
+from .balance import FitCost, lb_micro, lb_mini, load_lengths, rl_math_like, sft_long_context_like
+from .balance.costs import fit_quadratic
+from .balance.planner import simulate_minibatch
 from .launch import run_ranks
-from .models import MODEL_SIZES, build_qwen2, next_token_logprobs, qwen2_config, shard_qwen2
-from .timeline import CommClock, TimedTransport, time_fsdp_collectives
+from .models import MODEL_SIZES, build_qwen2, next_token_logprobs, shard_qwen2
+from .rows import FACTORS, ROWS, build_rows, factors, final_param_diff, plan_of, step_breakdown, train_minibatch
 
-RUNS = ("fsdp2+lb_micro", "odc+lb_mini")
+WORKLOADS = ("rl", "sft")
 
 
 @dataclass
@@ -37,12 +43,15 @@ class DemoConfig:
     ranks: int = max(2, os.cpu_count() or 2)
     steps: int = 8
     model_size: str = "small"
-    lengths: str | None = None  # a file of sample lengths; default: the RL math-like generator
-    mini_batch_size: int = 8  # prompts per mini-batch
-    group_size: int = 4  # GRPO responses per prompt
+    workload: str = "rl"
+    lengths: str | None = None  # a file of sample lengths; default: the workload's generator
+    # prompts per mini-batch (rl), samples per mini-batch (sft); None: 8 (rl) or 16 (sft), with
+    # the default token budget several micro-batches per rank either way
+    mini_batch_size: int | None = None
+    group_size: int = 4  # GRPO responses per prompt (rl)
     max_prompt_length: int = 128
-    max_response_length: int = 1024
-    max_token_len: int = 2048  # per micro-batch, like verl's ppo_max_token_len_per_gpu
+    max_response_length: int = 2048
+    max_token_len: int = 4096  # per micro-batch, like verl's ppo_max_token_len_per_gpu; sft: the longest sample
     seed: int = 0
     out_dir: str = "odc_reports"
 
@@ -53,11 +62,21 @@ class DemoConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.model_size not in MODEL_SIZES:
             raise ValueError(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got '{self.model_size}'")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got '{self.workload}'")
+        if self.mini_batch_size is None:
+            self.mini_batch_size = 8 if self.workload == "rl" else 16
+        if self.mini_batch_size < 1:
+            raise ValueError(f"--mini-batch-size must be >= 1, got {self.mini_batch_size}")
         if self.lengths is not None and not os.path.exists(self.lengths):
             raise ValueError(f"--lengths file not found: {self.lengths}")
-        if self.max_prompt_length + self.max_response_length > self.max_token_len:
+        if self.workload == "rl" and self.max_prompt_length + self.max_response_length > self.max_token_len:
             raise ValueError(f"--max-token-len {self.max_token_len} is below the longest possible sample "
                              f"({self.max_prompt_length} + {self.max_response_length})")
+
+    @property
+    def samples_per_minibatch(self) -> int:
+        return self.mini_batch_size * (self.group_size if self.workload == "rl" else 1)
 
 
 @dataclass
@@ -65,36 +84,49 @@ class Sample:
     prompt_len: int
     response_len: int
     advantage: float
-    seed: int  # the tokens are drawn from this, so both runs see the same tokens wherever it lands
+    seed: int  # the tokens are drawn from this, so every row sees the same tokens wherever it lands
 
     @property
     def total(self) -> int:
         return self.prompt_len + self.response_len
 
 
+def _lengths(cfg: DemoConfig, step: int, g: torch.Generator) -> tuple[list[int], list[int]]:
+    n = cfg.samples_per_minibatch
+    if cfg.lengths:
+        # a file gives whole-sample lengths; a quarter of each (at most the prompt cap) is prompt
+        file_lengths = load_lengths(cfg.lengths)
+        picks = torch.randint(0, len(file_lengths), (n,), generator=g).tolist()
+        cap = cfg.max_token_len if cfg.workload == "sft" else cfg.max_prompt_length + cfg.max_response_length
+        totals = [min(file_lengths[i], cap) for i in picks]
+        prompts = [min(cfg.max_prompt_length, max(1, t // 4)) for t in totals]
+        return prompts, [max(1, t - p) for t, p in zip(totals, prompts)]
+    seed = cfg.seed * 1000 + step
+    if cfg.workload == "sft":
+        # scaled to a CPU: chats around 1/32 of the longest sample, documents from 1/8 of it up
+        sample = sft_long_context_like(n, max_length=cfg.max_token_len, chat_median=cfg.max_token_len / 32,
+                                       long_min=cfg.max_token_len // 8, seed=seed)
+        return sample.prompt_lens, sample.response_lens
+    sample = rl_math_like(n, max_prompt_length=cfg.max_prompt_length,
+                          max_response_length=cfg.max_response_length, seed=seed)
+    # GRPO: the responses of one prompt share it
+    return [sample.prompt_lens[i - i % cfg.group_size] for i in range(n)], sample.response_lens
+
+
 def draw_minibatches(cfg: DemoConfig) -> list[list[Sample]]:
-    """GRPO-like mini-batches: groups of responses per prompt, group-normalized rewards as advantages."""
-    n = cfg.mini_batch_size * cfg.group_size
+    """RL: groups of responses per prompt, group-normalized rewards as advantages. SFT: advantage 1,
+    which makes the policy loss the response tokens' negative log-likelihood."""
     g = torch.Generator().manual_seed(cfg.seed)
-    file_lengths = load_lengths(cfg.lengths) if cfg.lengths else None
+    n = cfg.samples_per_minibatch
     batches = []
     for step in range(cfg.steps):
-        if file_lengths:
-            # a file gives whole-sample lengths; a quarter of each (at most the prompt cap) is prompt
-            picks = torch.randint(0, len(file_lengths), (n,), generator=g).tolist()
-            totals = [min(file_lengths[i], cfg.max_prompt_length + cfg.max_response_length) for i in picks]
-            prompts = [min(cfg.max_prompt_length, max(1, t // 4)) for t in totals]
-            responses = [max(1, t - p) for t, p in zip(totals, prompts)]
+        prompts, responses = _lengths(cfg, step, g)
+        if cfg.workload == "rl":
+            rewards = torch.randint(0, 2, (n,), generator=g).float().view(-1, cfg.group_size)
+            adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
         else:
-            sample = rl_math_like(n, max_prompt_length=cfg.max_prompt_length,
-                                  max_response_length=cfg.max_response_length, seed=cfg.seed * 1000 + step)
-            # GRPO: the responses of one prompt share it
-            prompts = [sample.prompt_lens[i - i % cfg.group_size] for i in range(n)]
-            responses = sample.response_lens
-        rewards = torch.randint(0, 2, (n,), generator=g).float().view(-1, cfg.group_size)
-        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
-        batch = [Sample(prompts[i], responses[i], float(adv[i]), step * n + i) for i in range(n)]
-        batches.append(batch)
+            adv = torch.ones(n)
+        batches.append([Sample(prompts[i], responses[i], float(adv[i]), step * n + i) for i in range(n)])
     return batches
 
 
@@ -111,137 +143,183 @@ def policy_loss(model, samples: list[Sample], vocab: int, global_response_tokens
     return total / global_response_tokens * world
 
 
+def calibration_lengths(cfg: DemoConfig) -> list[int]:
+    lengths, s = [], 64
+    while s <= cfg.max_token_len:
+        lengths.append(s)
+        s *= 2
+    return lengths
+
+
+def calibrate_body(rank, world, cfg: DemoConfig) -> list[list[float]]:
+    """Forward+backward seconds of one sequence per length, on every rank at once (as in training,
+    the ranks share the machine), on an unsharded copy of the model: compute only."""
+    model = build_qwen2(cfg.model_size, seed=cfg.seed)
+    vocab = MODEL_SIZES[cfg.model_size].vocab_size
+    points = []
+    for length in calibration_lengths(cfg):
+        sample = Sample(1, length - 1, 1.0, length)
+        times = []
+        for _ in range(4):  # the first is a warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            policy_loss(model, [sample], vocab, length, 1).backward()
+            times.append(time.perf_counter() - start)
+        points.append([length, statistics.median(times[1:])])
+    return points
+
+
+def calibrate(cfg: DemoConfig) -> tuple[FitCost, list[list[float]]]:
+    per_rank = run_ranks(calibrate_body, cfg.ranks, cfg)
+    points = [[p[0][0], statistics.fmean(q[1] for q in p)] for p in zip(*per_rank)]
+    a, b = fit_quadratic([p[0] for p in points], [p[1] for p in points])
+    return FitCost(a, b), points
+
+
+def plan_minibatches(cfg: DemoConfig, batches, cost: FitCost) -> dict:
+    """Per row, per mini-batch, per rank: micro-batches of sample indices."""
+    plans = {"lb_micro": [], "lb_mini": []}
+    for batch in batches:
+        totals = [s.total for s in batch]
+        plans["lb_micro"].append(lb_micro(totals, cfg.ranks, cfg.max_token_len))
+        plans["lb_mini"].append(lb_mini(totals, cfg.ranks, cfg.max_token_len, cost=cost))
+    return {row: plans[plan_of(row)] for row in ROWS}
+
+
 def rank_body(rank, world, cfg: DemoConfig, batches, plans):
     mesh = init_device_mesh("cpu", (world,))
     vocab = MODEL_SIZES[cfg.model_size].vocab_size
-    clocks = {run: CommClock() for run in RUNS}
-    models = {run: shard_qwen2(build_qwen2(cfg.model_size, seed=cfg.seed), mesh) for run in RUNS}
-    time_fsdp_collectives(models["fsdp2+lb_micro"], clocks["fsdp2+lb_micro"])
-    odc = apply_odc(models["odc+lb_mini"], TimedTransport(make_transport("shm"), clocks["odc+lb_mini"]))
-    opts = {run: torch.optim.AdamW(m.parameters(), lr=1e-5) for run, m in models.items()}
-    record = {run: [] for run in RUNS}
+    rows = build_rows(lambda: shard_qwen2(build_qwen2(cfg.model_size, seed=cfg.seed), mesh), "shm", lr=1e-5)
+    record = {row: [] for row in ROWS}
     for step, batch in enumerate(batches):
         response_tokens = sum(s.response_len for s in batch)
-        order = RUNS if step % 2 == 0 else RUNS[::-1]
-        for run in order:
-            model, micro_batches = models[run], plans[run][step][rank]
-            dist.barrier()
-            start = time.perf_counter()
-            clocks[run].intervals.clear()
-            if run.startswith("odc"):
-                odc.begin()
-            for mb in micro_batches:
-                policy_loss(model, [batch[i] for i in mb], vocab, response_tokens, world).backward()
-            if run.startswith("odc"):
-                odc.end()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opts[run].step()
-            opts[run].zero_grad()
-            dist.barrier()
-            elapsed = time.perf_counter() - start
-            comm = clocks[run].take(start)
-            record[run].append({
-                "step_s": elapsed,
-                "comm_s": sum(b - a for a, b in comm),
-                "comm_intervals": comm,
-                "micro_batches": len(micro_batches),
-                "samples": sum(len(mb) for mb in micro_batches),
-                "tokens": sum(batch[i].total for mb in micro_batches for i in mb),
-            })
+        for row in ROWS[step % len(ROWS):] + ROWS[: step % len(ROWS)]:  # each row takes each turn
+            micro_batches = plans[row][step][rank]
+            losses = [lambda mb=mb, m=rows[row].model: policy_loss(m, [batch[i] for i in mb], vocab,
+                                                                    response_tokens, world)
+                      for mb in micro_batches]
+            rec = train_minibatch(rows[row], losses)
+            rec["samples"] = [batch[i].seed for mb in micro_batches for i in mb]
+            rec["tokens"] = sum(batch[i].total for mb in micro_batches for i in mb)
+            record[row].append(rec)
         if rank == 0:
-            a, b = (record[run][-1]["step_s"] for run in RUNS)
-            print(f"  mini-batch {step + 1}/{len(batches)}: {RUNS[0]} {a:.2f}s | {RUNS[1]} {b:.2f}s", flush=True)
-    final = {run: {n: p.full_tensor().detach() for n, p in m.named_parameters()} for run, m in models.items()}
-    max_diff = max((final[RUNS[0]][n] - final[RUNS[1]][n]).abs().max().item() for n in final[RUNS[0]])
-    return {"record": record, "max_param_diff": max_diff}
+            times = " | ".join(f"{row} {record[row][-1]['step_s']:.2f}s" for row in ROWS)
+            print(f"  mini-batch {step + 1}/{len(batches)}: {times}", flush=True)
+    return {"record": record, "max_param_diff": final_param_diff(rows)}
 
 
-def plan_minibatches(cfg: DemoConfig, batches) -> dict:
-    cost = get_cost_model("flops", model=qwen2_config(cfg.model_size))
-    plans = {run: [] for run in RUNS}
-    for batch in batches:
-        totals = [s.total for s in batch]
-        plans["fsdp2+lb_micro"].append(lb_micro(totals, cfg.ranks, cfg.max_token_len))
-        plans["odc+lb_mini"].append(lb_mini(totals, cfg.ranks, cfg.max_token_len, cost=cost))
-    return plans
+def predict(cfg: DemoConfig, batches, plans, cost: FitCost) -> dict[str, list[float]]:
+    """The planner's compute-only step time of every row and mini-batch: lockstep rows last the sum over
+    micro-batch steps of the slowest rank, ODC rows the slowest rank's sum. It has no transport in it,
+    so it predicts the same time for the first two rows."""
+    return {row: [simulate_minibatch(plans[row][k], cost.costs([s.total for s in batch]),
+                                     lockstep=not row.startswith("odc")).seconds
+                  for k, batch in enumerate(batches)]
+            for row in ROWS}
 
 
-def summarize(cfg: DemoConfig, batches, per_rank) -> dict:
+def summarize(cfg: DemoConfig, batches, per_rank, predicted, calibration) -> dict:
     steps = range(cfg.steps)
-    # A mini-batch takes as long as its slowest rank; every rank ends at the same barrier.
-    step_s = {run: [max(r["record"][run][k]["step_s"] for r in per_rank) for k in steps] for run in RUNS}
     tokens = [sum(s.total for s in b) for b in batches]
-    runs = {}
-    for run in RUNS:
-        idle = [sum(r["record"][run][k]["comm_s"] for k in steps) / sum(step_s[run]) for r in per_rank]
-        runs[run] = {
-            "median_step_s": statistics.median(step_s[run]),
-            "step_s": step_s[run],
-            "tokens_per_s": sum(tokens) / sum(step_s[run]),
-            "idle_fraction_per_rank": idle,
-            "micro_batches_per_rank": [[r["record"][run][k]["micro_batches"] for k in steps] for r in per_rank],
-            "tokens_per_rank": [[r["record"][run][k]["tokens"] for k in steps] for r in per_rank],
+    runs, step_s = {}, {}
+    for row in ROWS:
+        records = [[r["record"][row][k] for r in per_rank] for k in steps]
+        step_s[row] = [max(rec["step_s"] for rec in recs) for recs in records]  # the slowest rank's
+        parts = [step_breakdown(recs) for recs in records]  # [step][rank]
+        fractions = {part: [sum(p[rank][f"{part}_s"] for p in parts) / sum(step_s[row]) for rank in range(cfg.ranks)]
+                     for part in ("compute", "comm", "wait")}
+        runs[row] = {
+            "median_step_s": statistics.median(step_s[row]),
+            "step_s": step_s[row],
+            "tokens_per_s": sum(tokens) / sum(step_s[row]),
+            "fraction_per_rank": fractions,
+            "breakdown": [[{k: v for k, v in p.items() if k != "barriers"} for p in step] for step in parts],
+            "barriers_per_rank": [[p["barriers"] for p in step] for step in parts],
+            "micro_batches_per_rank": [[rec["micro_batches"] for rec in recs] for recs in records],
+            "tokens_per_rank": [[rec["tokens"] for rec in recs] for recs in records],
+            "samples_per_rank": [[rec["samples"] for rec in recs] for recs in records],
+            "predicted_step_s": predicted[row],
         }
-    ratios = [a / b for a, b in zip(step_s[RUNS[0]], step_s[RUNS[1]])]
     return {
         "config": asdict(cfg),
         "runs": runs,
-        "speedup_median_of_pairs": statistics.median(ratios),
-        "speedup_per_pair": ratios,
+        "factors": factors(step_s),
+        "predicted_factors": factors(predicted),
+        "calibration": calibration,
         "max_param_diff": max(r["max_param_diff"] for r in per_rank),
-        "timelines": {run: [[r["record"][run][k]["comm_intervals"] for k in steps] for r in per_rank]
-                      for run in RUNS},
     }
 
 
 def print_table(report: dict) -> None:
-    print(f"\n{'run':<18}{'median s/step':>14}{'tokens/s':>10}  idle fraction per rank")
-    for run, r in report["runs"].items():
-        idle = " ".join(f"{x:.2f}" for x in r["idle_fraction_per_rank"])
-        print(f"{run:<18}{r['median_step_s']:>14.3f}{r['tokens_per_s']:>10.0f}  {idle}")
-    print(f"\nspeedup of {RUNS[1]} over {RUNS[0]} (median of per-mini-batch ratios): "
-          f"{report['speedup_median_of_pairs']:.3f}x")
-    print(f"max |parameter difference| after {report['config']['steps']} mini-batches: {report['max_param_diff']:.2e}")
+    ranks = report["config"]["ranks"]
+    print(f"\n{'row':<19}{'s/step':>8}{'tokens/s':>10}{'predicted':>11}   "
+          "compute / comm / wait per rank")
+    for row, r in report["runs"].items():
+        f = r["fraction_per_rank"]
+        split = "  ".join(f"{f['compute'][k]:.2f}/{f['comm'][k]:.2f}/{f['wait'][k]:.2f}" for k in range(ranks))
+        print(f"{row:<19}{r['median_step_s']:>8.3f}{r['tokens_per_s']:>10.0f}"
+              f"{statistics.median(r['predicted_step_s']):>11.3f}   {split}")
+    print(f"\n{'factor':<16}{'from -> to':<38}{'measured':>9}{'predicted':>11}")
+    for name, (slow, fast) in FACTORS.items():
+        print(f"{name:<16}{slow + ' -> ' + fast:<38}{report['factors'][name]:>8.3f}x"
+              f"{report['predicted_factors'][name]:>10.3f}x")
+    print(f"\nheadline, ODC+LB-Mini over the lockstep baseline on the same transport: "
+          f"{report['factors']['odc+lb_mini']:.3f}x (median of per-mini-batch ratios)")
+    print(f"max |parameter difference| between rows after {report['config']['steps']} mini-batches: "
+          f"{report['max_param_diff']:.2e}")
 
 
-def plot_timelines(report: dict, path: str) -> None:
+def plot_breakdown(report: dict, path: str) -> None:
+    """Per row a panel; per mini-batch a group of bars, one per rank, stacked compute / comm / wait."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(RUNS), 1, figsize=(11, 1.2 + 0.6 * report["config"]["ranks"] * len(RUNS)),
-                             sharex=True)
-    for ax, run in zip(axes, RUNS):
-        offset = 0.0
-        for k, step_s in enumerate(report["runs"][run]["step_s"]):
-            for rank, intervals in enumerate(report["timelines"][run]):
-                ax.broken_barh([(offset, step_s)], (rank - 0.4, 0.8), color="tab:blue")
-                ax.broken_barh([(offset + a, b - a) for a, b in intervals[k]], (rank - 0.4, 0.8), color="tab:red")
-            ax.axvline(offset, color="black", lw=0.5)
-            offset += step_s
-        ax.set_yticks(range(report["config"]["ranks"]), [f"rank {r}" for r in range(report["config"]["ranks"])])
-        ax.set_title(f"{run}: compute (blue) vs communication + waiting (red)", fontsize=10)
-    axes[-1].set_xlabel("seconds (mini-batches back to back)")
-    fig.tight_layout()
+    ranks, steps = report["config"]["ranks"], report["config"]["steps"]
+    colors = {"compute": "tab:green", "comm": "tab:blue", "wait": "tab:red"}
+    fig, axes = plt.subplots(1, len(ROWS), figsize=(3.2 * len(ROWS), 3.6), sharey=True)
+    width = 0.8 / ranks
+    for ax, row in zip(axes, ROWS):
+        r = report["runs"][row]
+        for k in range(steps):
+            for rank in range(ranks):
+                x, bottom = k + (rank - (ranks - 1) / 2) * width, 0.0
+                for part, color in colors.items():
+                    value = r["breakdown"][k][rank][f"{part}_s"]
+                    ax.bar(x, value, width * 0.9, bottom=bottom, color=color, label=part if k == rank == 0 else None)
+                    bottom += value
+            ax.hlines(r["predicted_step_s"][k], k - 0.45, k + 0.45, colors="black", linestyles="--", lw=1,
+                      label="planner's prediction" if k == 0 else None)
+        ax.set_title(f"{row}\nmedian {r['median_step_s']:.2f} s/step", fontsize=9)
+        ax.set_xticks(range(steps), [str(k + 1) for k in range(steps)], fontsize=7)
+        ax.set_xlabel(f"mini-batch (bars: ranks 0-{ranks - 1})", fontsize=8)
+    axes[0].set_ylabel("seconds")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(f"odc-demo, {report['config']['workload']} workload: where each rank's time goes "
+                 f"(ODC+LB-Mini over lockstep: {report['factors']['odc+lb_mini']:.2f}x)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     batches = draw_minibatches(cfg)
-    plans = plan_minibatches(cfg, batches)
-    print(f"odc-demo: {cfg.ranks} CPU ranks x 1 thread, model '{cfg.model_size}', {cfg.steps} mini-batches of "
-          f"{len(batches[0])} samples, micro-batch budget {cfg.max_token_len} tokens", flush=True)
+    print(f"odc-demo: {cfg.ranks} CPU ranks x 1 thread, model '{cfg.model_size}', {cfg.workload} workload, "
+          f"{cfg.steps} mini-batches of {len(batches[0])} samples, micro-batch budget {cfg.max_token_len} tokens",
+          flush=True)
+    cost, calibration = calibrate(cfg)
+    print(f"cost fit on this CPU: t(s) = {cost.a:.3g} s^2 + {cost.b:.3g} s seconds per sequence", flush=True)
+    plans = plan_minibatches(cfg, batches, cost)
     per_rank = run_ranks(rank_body, cfg.ranks, cfg, batches, plans)
-    report = summarize(cfg, batches, per_rank)
+    report = summarize(cfg, batches, per_rank, predict(cfg, batches, plans, cost), calibration)
     os.makedirs(cfg.out_dir, exist_ok=True)
     json_path, png_path = os.path.join(cfg.out_dir, "odc_demo.json"), os.path.join(cfg.out_dir, "odc_demo.png")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)
-    plot_timelines(report, png_path)
+    plot_breakdown(report, png_path)
     print_table(report)
-    print(f"report: {json_path}\ntimelines: {png_path}")
+    print(f"report: {json_path}\npicture: {png_path}")
     return report
 
 
@@ -251,16 +329,18 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, default=max(2, os.cpu_count() or 2))
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--model-size", default=defaults.model_size, choices=sorted(MODEL_SIZES))
+    p.add_argument("--workload", default=defaults.workload, choices=WORKLOADS)
     p.add_argument("--lengths", default=None, help="sample lengths: JSON list, text file, or file.parquet:column")
-    p.add_argument("--mini-batch-size", type=int, default=defaults.mini_batch_size, help="prompts per mini-batch")
+    p.add_argument("--mini-batch-size", type=int, default=None,
+                   help="prompts (rl, default 8) or samples (sft, default 16) per mini-batch")
     p.add_argument("--max-token-len", type=int, default=defaults.max_token_len)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out-dir", default=defaults.out_dir)
     args = p.parse_args(argv)
     try:
-        cfg = DemoConfig(ranks=args.ranks, steps=args.steps, model_size=args.model_size, lengths=args.lengths,
-                         mini_batch_size=args.mini_batch_size, max_token_len=args.max_token_len, seed=args.seed,
-                         out_dir=args.out_dir)
+        cfg = DemoConfig(ranks=args.ranks, steps=args.steps, model_size=args.model_size, workload=args.workload,
+                         lengths=args.lengths, mini_batch_size=args.mini_batch_size,
+                         max_token_len=args.max_token_len, seed=args.seed, out_dir=args.out_dir)
     except ValueError as e:
         p.error(str(e))
     run_demo(cfg)

@@ -1,8 +1,11 @@
-"""Per-rank timelines: wall time spent inside communication, for stock FSDP2 and ODC alike.
+"""Where each rank's time goes: compute, moving bytes, or waiting for a slower peer.
 
-What a rank does between two communication calls is compute; what it does inside one is moving bytes
-or waiting for a slower peer. Wrapping FSDP2's default collectives and ODC's transport with the same
-clock gives both runs the same definition of "idle".
+One clock wraps FSDP2's default collectives and ODC's transport alike, so every row of an A/B has the
+same definitions. A one-sided call is either a transfer (get, accumulate) or a wait (for a peer's
+published shards, at a barrier). A collective is both at once: the rank that arrives last waits for
+no one, so the shortest duration of a collective over the ranks is its transfer time and each rank's
+excess over that is its waiting (which needs the ranks to issue the same collectives in the same order,
+as FSDP's lockstep does).
 """
 
 from __future__ import annotations
@@ -17,25 +20,48 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 
 from .comm import Region, Transport
 
+TRANSFER, PUBLISHED, BARRIER, COLLECTIVE = "transfer", "published", "barrier", "collective"
+
 
 @dataclass
 class CommClock:
-    """Intervals (start, end) of communication calls, in perf_counter seconds."""
+    """Intervals (start, end, kind) of communication calls, in perf_counter seconds."""
 
-    intervals: list[tuple[float, float]] = field(default_factory=list)
+    intervals: list[tuple[float, float, str]] = field(default_factory=list)
 
-    def timed(self, fn, *args, **kwargs):
+    def timed(self, kind: str, fn, *args, **kwargs):
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.intervals.append((start, time.perf_counter()))
+            self.intervals.append((start, time.perf_counter(), kind))
 
-    def take(self, since: float) -> list[tuple[float, float]]:
+    def take(self, since: float) -> list[tuple[float, float, str]]:
         """The intervals recorded since `since`, relative to it; the clock starts over."""
-        out = [(a - since, b - since) for a, b in self.intervals if b >= since]
+        out = [(a - since, b - since, kind) for a, b, kind in self.intervals if b >= since]
         self.intervals.clear()
         return out
+
+
+def breakdown(step_s: float, own_s: list[float], intervals: list[list[tuple[float, float, str]]]) -> list[dict]:
+    """Per rank, seconds of compute, communication and waiting in one mini-batch of `step_s` seconds.
+
+    own_s[r] is when rank r finished its own work; the rest of the mini-batch it waited for the others.
+    """
+    collectives = [[b - a for a, b, kind in ivs if kind == COLLECTIVE] for ivs in intervals]
+    if len({len(c) for c in collectives}) > 1:
+        raise ValueError(f"ranks issued different numbers of collectives: {[len(c) for c in collectives]}")
+    floor = sum(min(durations) for durations in zip(*collectives))
+    out = []
+    for own, ivs, coll in zip(own_s, intervals, collectives):
+        def total(*kinds):
+            return sum(b - a for a, b, kind in ivs if kind in kinds)
+
+        comm = total(TRANSFER) + floor
+        wait = total(PUBLISHED, BARRIER) + sum(coll) - floor + (step_s - own)
+        out.append({"compute_s": step_s - comm - wait, "comm_s": comm, "wait_s": wait,
+                    "barriers": sum(kind == BARRIER for _, _, kind in ivs)})
+    return out
 
 
 class _TimedAllGather(AllGather):
@@ -46,7 +72,7 @@ class _TimedAllGather(AllGather):
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return self.clock.timed(self.inner, output_tensor, input_tensor, group, async_op)
+        return self.clock.timed(COLLECTIVE, self.inner, output_tensor, input_tensor, group, async_op)
 
 
 class _TimedReduceScatter(ReduceScatter):
@@ -57,7 +83,7 @@ class _TimedReduceScatter(ReduceScatter):
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        return self.clock.timed(self.inner, output_tensor, input_tensor, group, op, async_op)
+        return self.clock.timed(COLLECTIVE, self.inner, output_tensor, input_tensor, group, op, async_op)
 
 
 def time_fsdp_collectives(model: torch.nn.Module, clock: CommClock) -> None:
@@ -79,16 +105,16 @@ class TimedTransport(Transport):
         return self.inner.alloc(name, numel, dtype)
 
     def get(self, region, peer, offset, out):
-        self.clock.timed(self.inner.get, region, peer, offset, out)
+        self.clock.timed(TRANSFER, self.inner.get, region, peer, offset, out)
 
     def accumulate(self, region, peer, offset, src):
-        self.clock.timed(self.inner.accumulate, region, peer, offset, src)
+        self.clock.timed(TRANSFER, self.inner.accumulate, region, peer, offset, src)
 
     def wait_at_least(self, region, peer, offset, value, timeout_s, what):
-        self.clock.timed(self.inner.wait_at_least, region, peer, offset, value, timeout_s, what)
+        self.clock.timed(PUBLISHED, self.inner.wait_at_least, region, peer, offset, value, timeout_s, what)
 
     def barrier(self, timeout_s):
-        self.clock.timed(self.inner.barrier, timeout_s)
+        self.clock.timed(BARRIER, self.inner.barrier, timeout_s)
 
     def signal(self, region, offset, value):
         self.inner.signal(region, offset, value)

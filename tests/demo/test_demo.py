@@ -1,4 +1,4 @@
-"""odc-demo at tiny size: a real 2-rank FSDP2+LB-Micro vs ODC+LB-Mini A/B."""
+"""odc-demo at tiny size: the four rows, really trained by 2 CPU ranks."""
 
 from __future__ import annotations
 
@@ -6,31 +6,58 @@ import json
 
 import pytest
 
-from odc_plugin.demo import RUNS, DemoConfig, draw_minibatches, main, run_demo
+from odc_plugin.demo import DemoConfig, draw_minibatches, main, run_demo
+from odc_plugin.models import MODEL_SIZES
+from odc_plugin.rows import FACTORS, ROWS
 
 
-def test_tiny_demo_reports_both_runs_and_agreeing_parameters(tmp_path, capfd):
+def test_tiny_demo_reports_four_rows_that_train_the_same_samples_to_the_same_parameters(tmp_path, capfd):
     cfg = DemoConfig(ranks=2, steps=2, model_size="tiny", mini_batch_size=2, max_response_length=256,
                      max_token_len=512, out_dir=str(tmp_path))
     report = run_demo(cfg)
     with open(tmp_path / "odc_demo.json") as f:
         assert json.load(f) == json.loads(json.dumps(report))
     assert (tmp_path / "odc_demo.png").stat().st_size > 0
-    for run in RUNS:
-        r = report["runs"][run]
+    assert list(report["runs"]) == list(ROWS)
+    batches = draw_minibatches(cfg)
+    for row, r in report["runs"].items():
         assert len(r["step_s"]) == 2 and r["median_step_s"] > 0 and r["tokens_per_s"] > 0
-        assert len(r["idle_fraction_per_rank"]) == 2 and all(0 <= x < 1 for x in r["idle_fraction_per_rank"])
-        assert len(report["timelines"][run]) == 2  # per rank, per mini-batch intervals
-    # both runs saw every sample of every mini-batch, only spread differently
-    for run in RUNS:
-        assert [sum(col) for col in zip(*report["runs"][run]["tokens_per_rank"])] == [
-            sum(s.total for s in b) for b in draw_minibatches(cfg)]
-    # LB-Micro gives every rank the same micro-batch count; the same math either way
-    assert all(len(set(col)) == 1 for col in zip(*report["runs"]["fsdp2+lb_micro"]["micro_batches_per_rank"]))
-    assert report["speedup_median_of_pairs"] > 0 and len(report["speedup_per_pair"]) == 2
+        assert len(r["predicted_step_s"]) == 2 and all(t > 0 for t in r["predicted_step_s"])
+        for k, batch in enumerate(batches):
+            # every sample of the mini-batch trained exactly once, by some rank
+            trained = sorted(seed for rank in r["samples_per_rank"][k] for seed in rank)
+            assert trained == sorted(s.seed for s in batch), row
+            # the parts of each rank's mini-batch add up to the mini-batch's time
+            for part in r["breakdown"][k]:
+                assert all(part[p] >= 0 for p in ("comm_s", "wait_s")), (row, part)
+                assert sum(part.values()) == pytest.approx(r["step_s"][k])
+        for rank in range(2):
+            fractions = [r["fraction_per_rank"][p][rank] for p in ("compute", "comm", "wait")]
+            assert sum(fractions) == pytest.approx(1) and fractions[0] > 0
+        if row.endswith("lb_micro"):  # LB-Micro: every rank runs the same number of micro-batches
+            assert all(len(set(counts)) == 1 for counts in r["micro_batches_per_rank"])
+    # the lockstep row meets at every gather and scatter of every layer, ODC rows once per mini-batch
+    layers = MODEL_SIZES["tiny"].num_hidden_layers
+    lockstep = report["runs"]["lockstep+lb_micro"]
+    for k in range(2):
+        for rank in range(2):
+            assert lockstep["barriers_per_rank"][k][rank] > 2 * layers * lockstep["micro_batches_per_rank"][k][rank]
+    for row in ("odc+lb_micro", "odc+lb_mini"):
+        assert report["runs"][row]["barriers_per_rank"] == [[1, 1], [1, 1]]
+    assert report["runs"]["fsdp2+lb_micro"]["barriers_per_rank"] == [[0, 0], [0, 0]]
+    assert set(report["factors"]) == set(report["predicted_factors"]) == set(FACTORS)
+    assert report["predicted_factors"]["transport"] == 1.0  # the planner has no transport in it
     assert report["max_param_diff"] < 1e-5
     out = capfd.readouterr().out  # the progress lines come from rank 0's process
-    assert "speedup of odc+lb_mini over fsdp2+lb_micro" in out and "mini-batch 2/2" in out
+    assert "ODC+LB-Mini over the lockstep baseline on the same transport" in out and "mini-batch 2/2" in out
+
+
+def test_sft_workload_is_long_tailed_and_trains_response_likelihood():
+    cfg = DemoConfig(ranks=2, steps=2, workload="sft", max_token_len=4096)
+    for batch in draw_minibatches(cfg):
+        totals = sorted(s.total for s in batch)
+        assert len(batch) == 16 and totals[-1] <= 4096 and totals[-1] > 8 * totals[len(totals) // 2]
+        assert {s.advantage for s in batch} == {1.0}
 
 
 def test_lengths_file_drives_the_mini_batches(tmp_path):
@@ -46,6 +73,8 @@ def test_lengths_file_drives_the_mini_batches(tmp_path):
     (["--model-size", "huge"], "invalid choice: 'huge'"),
     (["--lengths", "/nonexistent"], "--lengths file not found: /nonexistent"),
     (["--max-token-len", "100"], "--max-token-len 100 is below the longest possible sample"),
+    (["--workload", "pretrain"], "invalid choice: 'pretrain'"),
+    (["--mini-batch-size", "0"], "--mini-batch-size must be >= 1"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):

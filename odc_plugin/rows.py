@@ -1,0 +1,110 @@
+"""The four rows of a fair A/B, and the factor each step between them buys.
+
+  fsdp2+lb_micro     stock FSDP2 on its own collectives (gloo on CPU, NCCL on GPUs), LB-Micro's plan
+  lockstep+lb_micro  ODC's transport and code with a barrier before every gather and scatter: FSDP's
+                     synchronization, ODC's bytes
+  odc+lb_micro       ODC on the same plan: ranks meet once per mini-batch
+  odc+lb_mini        ODC on LB-Mini's plan: each rank's total work balanced, micro-batch counts free
+
+Row 1 -> 2 is the transport, 2 -> 3 the removed barriers, 3 -> 4 LB-Mini. What the paper's idea buys is
+row 2 -> 4, on one transport. Every row trains its own copy of the same weights in the same processes,
+on the same samples, so final parameters must agree.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import make_transport
+from .fsdp import ODCConfig, OnDemandComm, apply_odc
+from .timeline import CommClock, TimedTransport, breakdown, time_fsdp_collectives
+
+ROWS = ("fsdp2+lb_micro", "lockstep+lb_micro", "odc+lb_micro", "odc+lb_mini")
+FACTORS = {  # name: (slower row, faster row)
+    "transport": (ROWS[0], ROWS[1]),
+    "barrier_removal": (ROWS[1], ROWS[2]),
+    "lb_mini": (ROWS[2], ROWS[3]),
+    "odc+lb_mini": (ROWS[1], ROWS[3]),  # the headline: the idea on one transport
+}
+
+
+def plan_of(row: str) -> str:
+    return row.rsplit("+", 1)[1]
+
+
+@dataclass
+class Row:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    clock: CommClock
+    odc: OnDemandComm | None  # None: stock FSDP2
+
+
+def build_rows(build_model: Callable[[], nn.Module], transport: str, lr: float) -> dict[str, Row]:
+    """One copy of the `fully_shard`-ed model per row (collective: every rank calls it)."""
+    rows = {}
+    for name in ROWS:
+        model, clock = build_model(), CommClock()
+        if name == "fsdp2+lb_micro":
+            time_fsdp_collectives(model, clock)
+            odc = None
+        else:
+            odc = apply_odc(model, TimedTransport(make_transport(transport), clock),
+                            ODCConfig(lockstep=name.startswith("lockstep")))
+        rows[name] = Row(model, torch.optim.AdamW(model.parameters(), lr=lr), clock, odc)
+    return rows
+
+
+def _sync_device(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_minibatch(row: Row, losses: list[Callable[[], torch.Tensor]], device: str = "cpu") -> dict:
+    """One optimizer step over these micro-batch losses, timed from a common start to a common end."""
+    _sync_device(device)
+    dist.barrier()
+    start = time.perf_counter()
+    row.clock.intervals.clear()
+    if row.odc:
+        row.odc.begin()
+    for loss in losses:
+        loss().backward()
+    if row.odc:
+        row.odc.end()
+    torch.nn.utils.clip_grad_norm_(row.model.parameters(), 1.0)
+    row.optimizer.step()
+    row.optimizer.zero_grad()
+    _sync_device(device)
+    own = time.perf_counter() - start
+    dist.barrier()
+    return {"step_s": time.perf_counter() - start, "own_s": own, "intervals": row.clock.take(start),
+            "micro_batches": len(losses)}
+
+
+def step_breakdown(records: list[dict]) -> list[dict]:
+    """Per rank compute / communication / waiting of one mini-batch from every rank's record of it."""
+    step = max(r["step_s"] for r in records)
+    return breakdown(step, [r["own_s"] for r in records], [r["intervals"] for r in records])
+
+
+def factors(step_s: dict[str, list[float]]) -> dict[str, float]:
+    """Each factor as the median over mini-batches of the per-mini-batch ratio (the rows alternate, so a
+    mini-batch's rows ran back to back under the same machine noise)."""
+    return {name: statistics.median(a / b for a, b in zip(step_s[slow], step_s[fast]))
+            for name, (slow, fast) in FACTORS.items()}
+
+
+def final_param_diff(rows: dict[str, Row]) -> float:
+    """Largest |difference| of any parameter between any row and the first (collective)."""
+    final = {name: {n: p.full_tensor().detach().float() for n, p in row.model.named_parameters()}
+             for name, row in rows.items()}
+    ref = final[ROWS[0]]
+    return max((params[n] - ref[n]).abs().max().item() for params in final.values() for n in ref)
