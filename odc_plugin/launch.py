@@ -7,9 +7,12 @@ the others are killed and the first failure is raised with its traceback; nothin
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
+import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -49,7 +52,16 @@ def _resolve(fn):
     return obj
 
 
-def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, backend):
+def _die_with_parent(parent: int) -> None:
+    """A parent killed by a signal runs no cleanup: have the kernel kill this rank with it (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+
+
+def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, backend, parent):
+    _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
                       MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -84,7 +96,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(_by_name(fn), r, world_size, port, out_dir, args, pg_timeout_s, setup, backend))
+                             args=(_by_name(fn), r, world_size, port, out_dir, args, pg_timeout_s, setup, backend,
+                                   os.getpid()))
                  for r in range(world_size)]
         for p in procs:
             p.start()

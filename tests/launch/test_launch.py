@@ -1,0 +1,49 @@
+"""run_ranks leaves nothing running, even when its own process is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def write_pid_and_sleep(rank, world, out_dir):
+    with open(os.path.join(out_dir, f"{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_ranks_die_with_a_parent_killed_by_sigterm(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "from odc_plugin.launch import run_ranks\n"
+        "from tests.launch.test_launch import write_pid_and_sleep\n"
+        f"run_ranks(write_pid_and_sleep, 2, {str(tmp_path)!r})\n")], cwd=os.path.dirname(os.path.dirname(
+            os.path.dirname(os.path.abspath(__file__)))))
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None, "ranks did not start"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(30)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, pids)), "a rank outlived its parent"
+    finally:
+        parent.kill()
