@@ -45,13 +45,15 @@ class DemoConfig:
     model_size: str = "small"
     workload: str = "rl"
     lengths: str | None = None  # a file of sample lengths; default: the workload's generator
-    # prompts per mini-batch (rl), samples per mini-batch (sft); None: 8 (rl) or 16 (sft), with
+    # prompts per mini-batch (rl), samples per mini-batch (sft); None: 4 (rl) or 16 (sft), with
     # the default token budget several micro-batches per rank either way
     mini_batch_size: int | None = None
     group_size: int = 4  # GRPO responses per prompt (rl)
     max_prompt_length: int = 128
     max_response_length: int = 2048
-    max_token_len: int = 4096  # per micro-batch, like verl's ppo_max_token_len_per_gpu; sft: the longest sample
+    # per micro-batch, like verl's ppo_max_token_len_per_gpu (just above the longest RL sample, as
+    # verl users set it); sft: also the longest sample
+    max_token_len: int = 2304
     seed: int = 0
     out_dir: str = "odc_reports"
 
@@ -65,7 +67,7 @@ class DemoConfig:
         if self.workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got '{self.workload}'")
         if self.mini_batch_size is None:
-            self.mini_batch_size = 8 if self.workload == "rl" else 16
+            self.mini_batch_size = 4 if self.workload == "rl" else 16
         if self.mini_batch_size < 1:
             raise ValueError(f"--mini-batch-size must be >= 1, got {self.mini_batch_size}")
         if self.lengths is not None and not os.path.exists(self.lengths):
@@ -332,7 +334,7 @@ def main(argv=None) -> None:
     p.add_argument("--workload", default=defaults.workload, choices=WORKLOADS)
     p.add_argument("--lengths", default=None, help="sample lengths: JSON list, text file, or file.parquet:column")
     p.add_argument("--mini-batch-size", type=int, default=None,
-                   help="prompts (rl, default 8) or samples (sft, default 16) per mini-batch")
+                   help="prompts (rl, default 4) or samples (sft, default 16) per mini-batch")
     p.add_argument("--max-token-len", type=int, default=defaults.max_token_len)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out-dir", default=defaults.out_dir)
