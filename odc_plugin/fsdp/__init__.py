@@ -1,5 +1,7 @@
 """ODC on FSDP2: FSDP's collectives replaced by one-sided gets and accumulates."""
 
+from .mesh import DataParallelMesh, data_parallel_mesh, shard_group
 from .odc import MiniBatchStats, ODCConfig, OnDemandComm, apply_odc
 
-__all__ = ["MiniBatchStats", "ODCConfig", "OnDemandComm", "apply_odc"]
+__all__ = ["DataParallelMesh", "MiniBatchStats", "ODCConfig", "OnDemandComm", "apply_odc", "data_parallel_mesh",
+           "shard_group"]

@@ -8,12 +8,13 @@ layout that FSDP keeps privately. Reading it here, and only here, keeps a torch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,27 @@ def reset_to_idle(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
             group._post_forward_indices.clear()
     root = modules_and_groups[0][0]
     root._get_fsdp_state()._comm_ctx.post_forward_order.clear()
+
+
+def reduce_within_shard_group(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
+    """Make FSDP's HSDP parameter groups reduce only inside their shard group.
+
+    FSDP2 decides to all-reduce a group's gradient shard across replicas after every reduce-scatter
+    from the type of its mesh info alone (HSDP), and that all-reduce is a collective inside the
+    mini-batch. `set_requires_all_reduce(False)` would skip it, but also skip writing `.grad` and the
+    post-accumulate-grad hooks ODC learns the reduced parameters from. So each group gets a plain
+    FSDP (shard-only) mesh info over the same mesh and shard dim; the parameters keep their 2-D
+    placements, and ODC all-reduces across replicas once per mini-batch itself.
+    """
+    for _, groups in modules_and_groups:
+        for group in groups:
+            info = group.mesh_info
+            if not isinstance(info, HSDPMeshInfo):
+                continue
+            shard_only = FSDPMeshInfo(**{f.name: getattr(info, f.name) for f in fields(FSDPMeshInfo) if f.init}
+                                      | {"replicate_mesh_dim": None})
+            shard_only.reduce_scatter_process_group = info.reduce_scatter_process_group
+            # FSDP compares the two to decide whether resharding after forward moves to another mesh.
+            if group.post_forward_mesh_info is info:
+                group.post_forward_mesh_info = shard_only
+            group.mesh_info = shard_only

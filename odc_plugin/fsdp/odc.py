@@ -15,12 +15,23 @@ parameters it sent: a parameter no rank produced a gradient for keeps `.grad` No
 stock FSDP2 (AdamW then leaves it alone), while one some ranks used gets the exact sum. Both begin and
 end reshard every module: ranks that ran different numbers of forwards (forward-only mini-batches
 included) leave in one FSDP state, so plain evaluation forwards between mini-batches stay collective.
+
+Over a 2-D (replicate x shard) mesh, FSDP2's HSDP, gets and accumulates stay inside the shard group
+(the transport spans it: one node) and FSDP's per-module all-reduce across replicas is switched off. At
+the end of a backward mini-batch every data-parallel rank first meets through the c10d store (so a dead
+rank is named after the timeout, not waited on in a collective), then its shard group meets at the
+transport's barrier, and then each rank's accumulator, with its used flags, is all-reduced across its
+replica group in one bucket. That is the mini-batch's only collective; the result is the mean over all
+data-parallel ranks, as in stock HSDP, and ranks of different replicas never wait for each other inside
+the mini-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -31,7 +42,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor
 
 from ..comm import Transport
+from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
+from .mesh import data_parallel_mesh
+
+# apply_odc is collective, so every rank creates its OnDemandComms in the same order: the count names
+# each one's store barrier alike on all of its ranks.
+_INSTANCES = itertools.count()
 
 
 @dataclass
@@ -65,7 +82,7 @@ class _GroupLayout:
     param_offset: int  # bytes into the params region
     param_nbytes: int
     grad_offset: int  # elements into the grads region
-    used_offset: int  # elements into the used region: one flag per slot
+    used_offset: int  # elements into the used flags, one per slot, which follow the accumulators
     slots: list[fsdp_internals.ParamSlot]
 
 
@@ -85,6 +102,21 @@ class OnDemandComm:
         self._begin_time = 0.0
 
         self._modules_and_groups = modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
+        self.mesh = data_parallel_mesh(model)
+        shard = self.mesh.shard_group
+        if (self.world_size, self.rank) != (dist.get_world_size(shard), dist.get_rank(shard)):
+            raise ValueError(f"the transport spans {self.world_size} ranks (this one is {self.rank}), but FSDP "
+                             f"shards over {dist.get_world_size(shard)} (this one is {dist.get_rank(shard)}); build "
+                             f"it with make_transport(kind, group=odc_plugin.fsdp.shard_group(model))")
+        self._replicas: StoreBarrier | None = None
+        if self.mesh.replicate_group is not None:
+            if self.world_size == 1:
+                raise ValueError("ODC over HSDP needs shard groups of 2 or more ranks; with one rank per shard "
+                                 "group there is nothing to get or accumulate")
+            fsdp_internals.reduce_within_shard_group(modules_and_groups)
+            ranks = self.mesh.ranks
+            name = f"{next(_INSTANCES)}-{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}"
+            self._replicas = StoreBarrier(ranks, dist.get_rank(), name)
         self.layouts: list[_GroupLayout] = []
         param_bytes = grad_numel = num_slots = 0
         for _, groups in modules_and_groups:
@@ -97,8 +129,9 @@ class OnDemandComm:
                 grad_numel += sum(s.padded_numel for s in slots)
                 num_slots += len(slots)
         self.params = transport.alloc("odc.params", param_bytes, torch.uint8)
-        self.grads = transport.alloc("odc.grads", grad_numel, torch.float32)
-        self.used = transport.alloc("odc.used", num_slots, torch.float32)
+        # One region, so that HSDP sums the accumulators and the used flags across replicas in one bucket.
+        self.grad_numel = grad_numel
+        self.grads = transport.alloc("odc.grads", grad_numel + num_slots, torch.float32)
         self.published = transport.alloc("odc.published", 1, torch.int64)
 
         self._scatters: list[_ScatterAccumulate] = []
@@ -126,7 +159,7 @@ class OnDemandComm:
 
     @property
     def divide_factor(self) -> float:
-        return self.config.gradient_divide_factor or float(self.world_size)
+        return self.config.gradient_divide_factor or float(self.world_size * self.mesh.num_replicas)
 
     def begin(self, backward: bool = True) -> None:
         """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes."""
@@ -154,6 +187,8 @@ class OnDemandComm:
             for scatter in self._scatters:
                 scatter.check_sent()
             self.transport.synchronize()
+            if self._replicas is not None and self._backward:
+                self._replicas.wait(self.config.barrier_timeout_s)
             self.transport.barrier(self.config.barrier_timeout_s)
         finally:
             self.in_minibatch = False
@@ -173,7 +208,9 @@ class OnDemandComm:
     @torch.no_grad()
     def _take_gradients(self) -> None:
         acc = self.grads.local
-        used = self.used.local.tolist()
+        if self.mesh.replicate_group is not None:
+            dist.all_reduce(acc, group=self.mesh.replicate_group)
+        used = acc[self.grad_numel :].tolist()
         for layout in self.layouts:
             for index, slot in enumerate(layout.slots):
                 if not used[layout.used_offset + index]:
@@ -189,7 +226,6 @@ class OnDemandComm:
                 else:
                     param.grad.to_local().add_(grad)
         acc.zero_()
-        self.used.local.zero_()
 
     def wait_published(self, peer: int) -> None:
         """Block until `peer` has published this mini-batch's shards (once per peer per mini-batch)."""
@@ -255,6 +291,8 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
             raise RuntimeError(f"ODC expects FSDP to hand it a SUM reduce-scatter, got {op}")
         if not odc.in_minibatch:
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            if odc.mesh.replicate_group is not None:
+                dist.all_reduce(output_tensor, group=odc.mesh.replicate_group)
             output_tensor.div_(odc.divide_factor)  # FSDP was told to divide nothing itself
             return None
         self.check_sent()
@@ -304,9 +342,14 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
                 numel = last.offset + last.padded_numel - start.offset
                 odc.transport.accumulate(odc.grads, peer, layout.grad_offset + start.offset,
                                          chunks[peer, column : column + numel])
-                odc.transport.accumulate(odc.used, peer, layout.used_offset + first, self._ones[:count])
+                odc.transport.accumulate(odc.grads, peer, odc.grad_numel + layout.used_offset + first,
+                                         self._ones[:count])
 
 
 def apply_odc(model: nn.Module, transport: Transport, config: ODCConfig | None = None) -> OnDemandComm:
-    """Switch a `fully_shard`-ed model to on-demand communication (collective: all ranks call it)."""
+    """Switch a `fully_shard`-ed model to on-demand communication (collective: all ranks call it).
+
+    `transport` spans the model's shard group: all ranks for a 1-D mesh, one shard group (one node) of
+    a 2-D HSDP mesh (`make_transport(kind, group=shard_group(model))`).
+    """
     return OnDemandComm(model, transport, config)

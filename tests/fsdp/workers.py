@@ -75,7 +75,7 @@ def odc_grads(rank, world_size, seqs, plan, device="cpu", timeout_s=60.0):
     with odc.minibatch():
         for mb in plan[rank]:
             token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
-    sizes = {"params_bytes": odc.params.numel, "grads_numel": odc.grads.numel,
+    sizes = {"params_bytes": odc.params.numel, "grads_numel": odc.grad_numel,
              "model_numel": sum(p.numel() for p in model.parameters()),
              "padding_bound": sum(p.numel() // p.shape[0] for p in model.parameters())}
     return full_grads(model), sizes
