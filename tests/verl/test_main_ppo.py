@@ -65,7 +65,11 @@ def train(out, assets, name: str, strategy: str, steps: int, overrides=(), timeo
     run_dir.mkdir(exist_ok=True)
     args = grpo.run_args(grpo.settings(assets, RANKS, steps, str(run_dir)), strategy, list(overrides),
                          str(run_dir / f"{strategy}.jsonl"))
-    return Trained(grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None))
+    result = grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None)
+    # the closing note's record of every e2e run (shown with pytest -s)
+    print(f"\ne2e run {name}/{strategy}: {result.steps} steps in {result.wall_s:.0f} s, "
+          f"peak memory {result.peak_pss_gib:.2f} GiB")
+    return Trained(result)
 
 
 def leftover_ray_processes() -> list:
