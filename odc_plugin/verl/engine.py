@@ -9,6 +9,10 @@ log-prob / value inference alike):
   (verl's `same_micro_num_in_dp=True` is exactly the lockstep ODC removes);
 - the micro-batches run between ODC's begin() and end(), so no collective runs inside;
 - per-micro-batch metrics are folded to one value per rank, since ranks now run different counts.
+
+`fsdp_size` works as under `fsdp2`: smaller than the world size it builds verl's 2-D (ddp x fsdp) mesh,
+HSDP, and ODC then gets and accumulates inside each fsdp group (one node) and all-reduces across the
+groups once per mini-batch.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDP
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 from ..comm import make_transport
-from ..fsdp import ODCConfig, apply_odc
+from ..fsdp import ODCConfig, apply_odc, shard_group
 from .config import as_odc_config
 
 logger = logging.getLogger(__name__)
@@ -47,18 +51,23 @@ def _built_as_fsdp2(engine_config):
 class _ODCEngineMixin:
     """Overrides shared by the language-model (actor, ref) and value-model (critic) engines."""
 
+    def _init_device_mesh(self):
+        # verl would hand a bad fsdp_size to init_device_mesh, whose error names neither the key nor the fix.
+        fsdp_size, world_size = self.engine_config.fsdp_size, dist.get_world_size()
+        if 0 <= fsdp_size < world_size and (fsdp_size < 2 or world_size % fsdp_size):
+            raise ValueError(f"fsdp_size={fsdp_size} must divide the world size {world_size} and be at least 2 "
+                             f"with strategy odc (ranks per node for HSDP; -1 shards over all ranks)")
+        super()._init_device_mesh()
+
     def _build_fsdp_module(self, module):
         odc_config = as_odc_config(self.engine_config)
-        if self.device_mesh.ndim != 1:
-            raise ValueError(f"strategy odc shards over all ranks; got a {self.device_mesh.ndim}-D mesh "
-                             f"(fsdp_size={self.engine_config.fsdp_size}): set fsdp_size=-1")
         with _built_as_fsdp2(self.engine_config):
             module = super()._build_fsdp_module(module)
-        transport = make_transport(odc_config.odc_transport, group=self.device_mesh.get_group())
+        transport = make_transport(odc_config.odc_transport, group=shard_group(module))
         self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
-        logger.info("odc: %s%s on %d ranks over %s", type(self).__name__,
+        logger.info("odc: %s%s, shard groups of %d ranks over %s, %d replica(s)", type(self).__name__,
                     " (forward only)" if self.engine_config.forward_only else "", transport.world_size,
-                    type(transport).__name__)
+                    type(transport).__name__, self.odc.mesh.num_replicas)
         return module
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
