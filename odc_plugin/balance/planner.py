@@ -8,6 +8,13 @@ reduction) is the same in all three and left out.
     odc-plan --lengths rl --cost flops --model Qwen2.5-7B
     odc-plan --lengths data.parquet:num_tokens --ranks 16 32 --minibatch-sizes 512 --json
     odc-plan --cost fit --fit-file configs/cost_fit/Qwen2.5-7B-H100.json
+
+Across nodes (`--nodes`), it compares the three ways to run data parallelism over several nodes and
+picks the fastest: FSDP2's HSDP with LB-Micro (verl's `fsdp2` with `fsdp_size` = GPUs per node), ODC
+inside each node with one all-reduce across nodes per mini-batch (`odc` with the same `fsdp_size`), and
+flat ODC over all ranks through NVSHMEM (`odc`, `fsdp_size=-1`):
+
+    odc-plan --nodes 2 4 8 --lengths rl --model Qwen2.5-7B
 """
 
 from __future__ import annotations
@@ -16,17 +23,22 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from odc_plugin.balance.common import RankPlan, balance_efficiency
-from odc_plugin.balance.costs import QWEN2_5_PRESETS, CostCalibration, CostModel, FitCost, get_cost_model
+from odc_plugin.balance.costs import QWEN2_5_PRESETS, CostCalibration, CostModel, FitCost, FlopsCost, get_cost_model
 from odc_plugin.balance.lb_micro import lb_micro
 from odc_plugin.balance.lb_mini import lb_mini
 from odc_plugin.balance.lengths import load_lengths, rl_math_like, sft_long_context_like
 
 SCHEMES = {"fsdp_lb_micro": "FSDP+LB-Micro", "odc_lb_micro": "ODC+LB-Micro", "odc_lb_mini": "ODC+LB-Mini"}
+
+# Per GPU and direction, what collectives reach on H100 nodes: NVLink 4 carries 450 GB/s each way, of
+# which NCCL reaches about 80%; one 400 Gb/s (NDR) InfiniBand NIC per GPU carries 50 GB/s, again ~80%.
+NVLINK_BW = 360e9
+IB_BW = 40e9
 
 
 @dataclass(frozen=True)
@@ -43,8 +55,8 @@ class StepTimeModel:
     throughput: float = 1.0
     layer_comm_bytes: float = 0.0
     num_layers: int = 0
-    intra_node_bw: float = 200e9
-    inter_node_bw: float = 25e9
+    intra_node_bw: float = NVLINK_BW
+    inter_node_bw: float = IB_BW
     gpus_per_node: int = 8
 
     def __post_init__(self):
@@ -68,10 +80,12 @@ class MiniBatchTime:
 
 
 def simulate_minibatch(
-    plan: RankPlan, costs: Sequence[float], *, lockstep: bool, model: StepTimeModel = StepTimeModel()
+    plan: RankPlan, costs: Sequence[float], *, lockstep: bool, model: StepTimeModel = StepTimeModel(),
+    comm_s: float | None = None,
 ) -> MiniBatchTime:
-    """Time of one mini-batch run as `plan` (per rank, micro-batches of sample indices into costs)."""
-    comm = model.comm_seconds(len(plan))
+    """Time of one mini-batch run as `plan` (per rank, micro-batches of sample indices into costs);
+    `comm_s`, when given, is each micro-batch's communication instead of the model's."""
+    comm = model.comm_seconds(len(plan)) if comm_s is None else comm_s
     compute = [[sum(costs[i] for i in mb) / model.throughput for mb in rank] for rank in plan]
     if lockstep:
         counts = sorted({len(rank) for rank in compute})
@@ -185,6 +199,153 @@ def format_table(rows: Sequence[PlanRow]) -> str:
     return "\n".join(lines + [line(row, ">") for row in cells])
 
 
+CLUSTER_SCHEMES = {"fsdp_hsdp": "FSDP-HSDP+LB-Micro", "odc_hsdp": "ODC-HSDP+LB-Mini", "odc_flat": "flat ODC+LB-Mini"}
+# Qwen2.5 models whose config.json ties the LM head to the input embedding.
+TIED_EMBEDDINGS = {"Qwen2.5-0.5B", "Qwen2.5-1.5B"}
+
+
+def model_params(preset: str) -> int:
+    """Parameters of a preset: its weight matrices (as FlopsCost counts them, head included) plus the
+    input embedding when the head is not tied to it."""
+    cost = FlopsCost.from_config(preset)
+    embedding = 0 if preset in TIED_EMBEDDINGS else cost.vocab_size * cost.hidden_size
+    return cost.linear_flops_per_token // 2 + embedding
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """Communication of data parallelism over `gpus_per_node`-GPU nodes, per GPU.
+
+    Every micro-batch gathers each parameter twice (forward and backward, bf16: `param_bytes`) and
+    reduces its gradient once (fp32: `grad_bytes`); a rank moves the part it does not hold, and both
+    FSDP and ODC overlap it with compute (a micro-batch lasts max(compute, communication)).
+
+    - fsdp_hsdp: shards inside a node; every backward also all-reduces each gradient shard across the
+      nodes (verl's default, use_no_sync_for_gradient_accumulation=False), on its own links, overlapped.
+    - odc_hsdp: shards inside a node; one all-reduce of the gradient shard across nodes after the
+      mini-batch, not overlapped.
+    - odc_flat: shards over every rank; (G - 1) / dp of the bytes over NVLink, (dp - G) / dp over the
+      network, concurrently. NVSHMEM's host-driven accumulate (it folds only while the owner calls the
+      transport) is not modelled, so this is flat ODC's best case.
+    """
+
+    model_params: float
+    gpus_per_node: int = 8
+    intra_node_bw: float = NVLINK_BW
+    inter_node_bw: float = IB_BW
+    param_bytes: int = 2
+    grad_bytes: int = 4
+
+    def __post_init__(self):
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"ClusterModel.{f.name} must be > 0, got {getattr(self, f.name)}")
+
+    def micro_batch_comm(self, scheme: str, nodes: int) -> float:
+        g, dp = self.gpus_per_node, nodes * self.gpus_per_node
+        moved = self.model_params * (2 * self.param_bytes + self.grad_bytes)
+        if scheme == "odc_flat":
+            return moved * max((g - 1) / dp / self.intra_node_bw, (dp - g) / dp / self.inter_node_bw)
+        intra = moved * (g - 1) / g / self.intra_node_bw
+        return max(intra, self.all_reduce_seconds(nodes)) if scheme == "fsdp_hsdp" else intra
+
+    def all_reduce_seconds(self, nodes: int) -> float:
+        """A ring all-reduce of one rank's fp32 gradient shard (1/G of the model) across the nodes."""
+        shard = self.model_params * self.grad_bytes / self.gpus_per_node
+        return 2 * (nodes - 1) / nodes * shard / self.inter_node_bw
+
+    def end_seconds(self, scheme: str, nodes: int) -> float:
+        return self.all_reduce_seconds(nodes) if scheme == "odc_hsdp" else 0.0
+
+
+@dataclass
+class ClusterRow:
+    """Means over the draws of one (nodes, mini-batch size) configuration."""
+
+    nodes: int
+    gpus_per_node: int
+    minibatch_size: int
+    seconds: dict[str, float]
+    idle_fraction: dict[str, float]
+    all_reduce_s: float  # ODC-HSDP's end-of-mini-batch all-reduce
+    flat_comm_s: float  # flat ODC's communication per micro-batch
+
+    @property
+    def pick(self) -> str:
+        return min(CLUSTER_SCHEMES, key=self.seconds.__getitem__)
+
+
+def compare_cluster(
+    seqlens: Sequence[int], nodes: int, max_token_len: int, cost: CostModel, cluster: ClusterModel, throughput: float
+) -> dict[str, MiniBatchTime]:
+    """One mini-batch over nodes x gpus_per_node ranks, LB-Micro for FSDP and LB-Mini over every rank for ODC."""
+    dp = nodes * cluster.gpus_per_node
+    costs = cost.costs(seqlens)
+    micro = lb_micro(seqlens, dp, max_token_len)
+    mini = lb_mini(seqlens, dp, max_token_len, cost=cost)
+    compute = StepTimeModel(throughput=throughput)
+    times = {}
+    for scheme, plan, lockstep in (("fsdp_hsdp", micro, True), ("odc_hsdp", mini, False), ("odc_flat", mini, False)):
+        t = simulate_minibatch(plan, costs, lockstep=lockstep, model=compute,
+                               comm_s=cluster.micro_batch_comm(scheme, nodes))
+        seconds = t.seconds + cluster.end_seconds(scheme, nodes)
+        times[scheme] = MiniBatchTime(seconds, 1 - (1 - t.idle_fraction) * t.seconds / seconds)
+    return times
+
+
+def cluster_table(
+    draw: Callable[[int, int], list[int]],
+    nodes: Sequence[int],
+    minibatch_sizes: Sequence[int],
+    max_token_len: int,
+    cost: CostModel,
+    cluster: ClusterModel,
+    throughput: float,
+    draws: int = 5,
+    seed: int = 0,
+) -> list[ClusterRow]:
+    """One row per (nodes, mini-batch size) whose size divides over the ranks; every node count sees the
+    same draws."""
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    rows = []
+    for n in nodes:
+        if n < 2:
+            raise ValueError(f"--nodes compares multi-node set-ups; got {n} node(s)")
+        for size in minibatch_sizes:
+            if size % (n * cluster.gpus_per_node):
+                continue
+            runs = [compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput)
+                    for d in range(draws)]
+            rows.append(ClusterRow(
+                n, cluster.gpus_per_node, size,
+                seconds={s: statistics.fmean(r[s].seconds for r in runs) for s in CLUSTER_SCHEMES},
+                idle_fraction={s: statistics.fmean(r[s].idle_fraction for r in runs) for s in CLUSTER_SCHEMES},
+                all_reduce_s=cluster.all_reduce_seconds(n),
+                flat_comm_s=cluster.micro_batch_comm("odc_flat", n),
+            ))
+    return rows
+
+
+def format_cluster_table(rows: Sequence[ClusterRow]) -> str:
+    head = ["nodes", "GPUs", "mini-batch"]
+    for name in CLUSTER_SCHEMES.values():
+        head += [f"{name} s", "idle"]
+    head += ["AR s", "flat comm/mb s", "pick"]
+    cells = []
+    for r in rows:
+        row = [f"{r.nodes}", f"{r.nodes * r.gpus_per_node}", f"{r.minibatch_size}"]
+        for s in CLUSTER_SCHEMES:
+            row += [f"{r.seconds[s]:.4g}", f"{r.idle_fraction[s]:.1%}"]
+        row += [f"{r.all_reduce_s:.3g}", f"{r.flat_comm_s:.3g}", CLUSTER_SCHEMES[r.pick]]
+        cells.append(row)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    lines = [" | ".join(f"{h:>{w}}" for h, w in zip(head, widths))]
+    lines.append("-" * len(lines[0]))
+    lines += [" | ".join(f"{c:>{w}}" for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
 def plot(rows: Sequence[PlanRow], path: str, title: str = "") -> None:
     import matplotlib
 
@@ -259,9 +420,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--layer-comm-bytes", type=float, default=0.0, help="per layer and micro-batch; 0: compute only")
     p.add_argument("--num-layers", type=int, help="default: the model's for --cost flops and --fit-file")
-    p.add_argument("--intra-node-bw", type=float, default=200e9, help="bytes/s per GPU inside a node")
-    p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU across nodes")
+    p.add_argument("--intra-node-bw", type=float, default=NVLINK_BW,
+                   help="bytes/s per GPU and direction inside a node (default: ~80%% of H100 NVLink 4)")
+    p.add_argument("--inter-node-bw", type=float, default=IB_BW,
+                   help="bytes/s per GPU and direction across nodes (default: ~80%% of one 400 Gb/s IB NIC)")
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, nargs="+",
+                   help="compare FSDP-HSDP, ODC-HSDP and flat ODC on these node counts (instead of --ranks)")
+    p.add_argument("--model-params", type=float, help="for --nodes: parameters to communicate; default --model's")
     p.add_argument("--max-prompt-length", type=int, default=512, help="for --lengths rl")
     p.add_argument("--max-response-length", type=int, default=4096, help="for --lengths rl")
     p.add_argument("--max-length", type=int, default=32768, help="for --lengths sft")
@@ -303,9 +469,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_length=args.max_length,
         )
         max_token_len = args.max_token_len or max(16384, longest)
-        rows = plan_table(draw, args.ranks, args.minibatch_sizes, max_token_len, cost, model, args.draws, args.seed)
+        if args.nodes:
+            cluster = ClusterModel(args.model_params or model_params(args.model), args.gpus_per_node,
+                                   args.intra_node_bw, args.inter_node_bw)
+            rows = cluster_table(draw, args.nodes, args.minibatch_sizes, max_token_len, cost, cluster,
+                                 model.throughput, args.draws, args.seed)
+        else:
+            rows = plan_table(draw, args.ranks, args.minibatch_sizes, max_token_len, cost, model, args.draws, args.seed)
     except ValueError as e:
         p.error(str(e))
+    if args.nodes:
+        _print_cluster(args, rows, cluster, max_token_len, model.throughput)
+        return
     if not rows:
         p.error("no mini-batch size divides evenly over any rank count")
     if args.json:
@@ -321,6 +496,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(format_table(rows))
     if args.plot:
         plot(rows, args.plot, title=f"{args.lengths}, cost={args.cost}, max_token_len={max_token_len}")
+
+
+def _print_cluster(args, rows: Sequence[ClusterRow], cluster: ClusterModel, max_token_len: int,
+                   throughput: float) -> None:
+    if args.json:
+        print(json.dumps({"lengths": args.lengths, "cost": args.cost, "max_token_len": max_token_len,
+                          "cluster": asdict(cluster), "throughput": throughput,
+                          "rows": [asdict(r) | {"pick": r.pick} for r in rows]}))
+        return
+    print(f"lengths={args.lengths} cost={args.cost} max_token_len={max_token_len} draws={args.draws}; "
+          f"time = cost / {throughput:g} per second")
+    print(f"{cluster.model_params / 1e9:.2f}B parameters (bf16 gathers, fp32 gradients); per GPU and direction: "
+          f"{cluster.intra_node_bw / 1e9:g} GB/s inside a node, {cluster.inter_node_bw / 1e9:g} GB/s across nodes")
+    print(format_cluster_table(rows))
+    print("AR: ODC-HSDP's all-reduce across nodes per mini-batch; flat comm/mb: flat ODC's communication per "
+          "micro-batch (NVSHMEM's host-driven progress not modelled: its best case)")
+    picks = {r.pick for r in rows}
+    if len(picks) == 1:
+        pick = picks.pop()
+        how = {"fsdp_hsdp": "strategy=fsdp2 with fsdp_size", "odc_hsdp": "strategy=odc with fsdp_size",
+               "odc_flat": "strategy=odc with fsdp_size=-1 over"}[pick]
+        print(f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} = {cluster.gpus_per_node} GPUs per node)"
+              if pick != "odc_flat" else f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} NVSHMEM)")
 
 
 if __name__ == "__main__":

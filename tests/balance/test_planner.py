@@ -7,7 +7,8 @@ import json
 import pytest
 
 from odc_plugin.balance import get_cost_model, rl_math_like
-from odc_plugin.balance.planner import StepTimeModel, compare_schemes, main, simulate_minibatch
+from odc_plugin.balance.planner import (ClusterModel, StepTimeModel, compare_schemes, main, model_params,
+                                        simulate_minibatch)
 
 
 def test_lockstep_pays_the_slowest_rank_per_micro_batch():
@@ -72,3 +73,43 @@ def test_cli_lengths_file_and_errors(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_cluster_model_communication():
+    # 1e9 parameters, 8 bytes moved per parameter per micro-batch (bf16 gathered twice, fp32 gradient),
+    # 2 nodes of 8 GPUs, 1e11 B/s inside a node and 1e10 across
+    cluster = ClusterModel(1e9, gpus_per_node=8, intra_node_bw=1e11, inter_node_bw=1e10)
+    assert cluster.micro_batch_comm("odc_hsdp", 2) == pytest.approx(8e9 * 7 / 8 / 1e11)
+    # ring all-reduce of the 4e9 / 8 byte gradient shard over 2 nodes: 2 * 1/2 * 5e8 / 1e10
+    assert cluster.all_reduce_seconds(2) == pytest.approx(0.05)
+    assert cluster.end_seconds("odc_hsdp", 2) == cluster.all_reduce_seconds(2)
+    assert cluster.end_seconds("fsdp_hsdp", 2) == cluster.end_seconds("odc_flat", 2) == 0
+    assert cluster.micro_batch_comm("fsdp_hsdp", 2) == pytest.approx(max(0.07, 0.05))
+    # flat over 16 ranks: 8 of the 16 shards are on the other node
+    assert cluster.micro_batch_comm("odc_flat", 2) == pytest.approx(8e9 * 8 / 16 / 1e10)
+    with pytest.raises(ValueError, match="ClusterModel.inter_node_bw must be > 0"):
+        ClusterModel(1e9, inter_node_bw=0)
+
+
+def test_model_params_of_the_presets():
+    assert model_params("Qwen2.5-7B") == pytest.approx(7.62e9, rel=1e-3)  # untied head
+    assert model_params("Qwen2.5-0.5B") == pytest.approx(0.494e9, rel=1e-3)  # tied
+
+
+@pytest.mark.parametrize("nodes,inter_node_bw,pick", [(2, 1e12, "odc_flat"), (2, 4e10, "odc_hsdp"),
+                                                      (4, 1e9, "fsdp_hsdp")])
+def test_cli_nodes_picks_by_network(nodes, inter_node_bw, pick, capsys):
+    """SFT lengths: at InfiniBand speed ODC's balance pays for its all-reduce; a network as fast as NVLink
+    hides flat ODC's traffic and saves the all-reduce; over a slow one the all-reduce, which FSDP overlaps
+    with every micro-batch's compute, costs ODC more than FSDP's imbalance."""
+    args = ["--nodes", str(nodes), "--lengths", "sft", "--minibatch-sizes", "128", "--draws", "2",
+            "--inter-node-bw", str(inter_node_bw)]
+    main([*args, "--json"])
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["pick"] == pick, row
+    assert all(row["seconds"][pick] < t for s, t in row["seconds"].items() if s != pick), row
+    main(args)
+    assert "flat ODC+LB-Mini" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--nodes", "1"])
+    assert "--nodes compares multi-node set-ups; got 1 node(s)" in capsys.readouterr().err
