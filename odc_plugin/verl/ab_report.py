@@ -191,6 +191,9 @@ def compare(base: Run, cand: Run) -> dict:
         "rows": rows,
         "speedup_update": speedup(b["update_s"], c["update_s"], "time"),
         "speedup_end_to_end": speedup(b["step_s"], c["step_s"], "time"),
+        # The rollout is the same code under either strategy: how far its ratio is from 1 is how much of
+        # any speedup above is the runs differing (order, caches, machine noise), not the strategy.
+        "control_rollout": speedup(b["gen_s"], c["gen_s"], "time"),
     }
 
 
@@ -221,6 +224,10 @@ def format_report(report: dict) -> str:
     up, e2e = report["speedup_update"], report["speedup_end_to_end"]
     lines += ["", f"speedup {c['label']} over {b['label']}: update phase "
                   f"{'n/a' if up is None else f'{up:.2f}x'}, end to end {'n/a' if e2e is None else f'{e2e:.2f}x'}"]
+    control = report["control_rollout"]
+    if control is not None:
+        lines.append(f"control: the rollout, which the strategy does not touch, {control:.2f}x; a speedup no "
+                     f"further from 1 than this is run-to-run difference, not the strategy")
     return "\n".join(lines)
 
 

@@ -108,6 +108,9 @@ def test_medians_and_speedups(runs):
     assert rows["tokens_per_s_per_gpu"]["speedup"] == pytest.approx(1.25)
     assert rows["tokens_per_s"]["candidate"] == pytest.approx(TOKENS / 8)
     assert rows["gen_s"]["speedup"] == pytest.approx(1.25)
+    # the rollout is the same under both strategies: its ratio is printed as the runs' own difference
+    assert report["control_rollout"] == pytest.approx(1.25)
+    assert "control: the rollout, which the strategy does not touch, 1.25x" in ab_report.format_report(report)
     # idle fraction from the odc engines' metrics only
     assert rows["actor_idle_fraction"]["baseline"] is None
     assert rows["actor_idle_fraction"]["candidate"] == pytest.approx(0.25)
@@ -124,7 +127,7 @@ def test_text_report_from_a_run_directory(runs, capsys):
     assert idle.split()[-2:] == ["n/a", "25.0%"]
     update = next(line for line in out.splitlines() if line.startswith("update phase s/step"))
     assert update.split()[-3:] == ["4", "2", "2.00x"]
-    assert out.strip().splitlines()[-1] == "speedup odc over fsdp2: update phase 2.00x, end to end 1.25x"
+    assert out.strip().splitlines()[-2] == "speedup odc over fsdp2: update phase 2.00x, end to end 1.25x"
 
 
 def test_critic_counts_in_the_update_phase(tmp_path, capsys):

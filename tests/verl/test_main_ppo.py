@@ -108,6 +108,7 @@ def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli):
     assert "actor_rollout_ref.actor.strategy=fsdp2" in proc.stdout
     assert "the odc run differs in: actor_rollout_ref.actor.strategy=odc critic.strategy=odc" in proc.stdout
     assert "speedup odc over fsdp2: update phase" in proc.stdout
+    assert "control: the rollout, which the strategy does not touch" in proc.stdout
     assert "LB-Mini plan efficiency" in proc.stdout
     assert not leftover_ray_processes()
 
