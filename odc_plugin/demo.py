@@ -193,6 +193,9 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans):
     vocab = MODEL_SIZES[cfg.model_size].vocab_size
     rows = build_rows(lambda: shard_qwen2(build_qwen2(cfg.model_size, seed=cfg.seed), mesh), "shm", lr=1e-5)
     record = {row: [] for row in ROWS}
+    for row in ROWS:  # warm-up, untimed: every row trains the first mini-batch once more, on one plan
+        train_minibatch(rows[row], [lambda m=rows[row].model: policy_loss(
+            m, batches[0][rank::world], vocab, sum(s.response_len for s in batches[0]), world)])
     for step, batch in enumerate(batches):
         response_tokens = sum(s.response_len for s in batch)
         for row in ROWS[step % len(ROWS):] + ROWS[: step % len(ROWS)]:  # each row takes each turn
