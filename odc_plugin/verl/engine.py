@@ -65,9 +65,11 @@ class _ODCEngineMixin:
             module = super()._build_fsdp_module(module)
         transport = make_transport(odc_config.odc_transport, group=shard_group(module))
         self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
-        logger.info("odc: %s%s, shard groups of %d ranks over %s, %d replica(s)", type(self).__name__,
-                    " (forward only)" if self.engine_config.forward_only else "", transport.world_size,
-                    type(transport).__name__, self.odc.mesh.num_replicas)
+        replicas = self.odc.mesh.num_replicas
+        logger.info("odc: %s%s on %d ranks over %s%s", type(self).__name__,
+                    " (forward only)" if self.engine_config.forward_only else "", transport.world_size * replicas,
+                    type(transport).__name__,
+                    f" (HSDP: {replicas} replicas of {transport.world_size}-rank shard groups)" if replicas > 1 else "")
         return module
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):

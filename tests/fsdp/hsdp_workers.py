@@ -17,7 +17,7 @@ from odc_plugin.comm import make_transport
 from odc_plugin.fsdp import ODCConfig, apply_odc, shard_group
 from odc_plugin.models import build_qwen2, shard_qwen2, token_mean_loss
 
-from .workers import _collective_names, count_targets
+from .workers import _collective_names, count_targets, train_until_victim_dies
 
 MESH_SHAPE = (2, 2)  # (nodes, ranks per node)
 
@@ -99,16 +99,6 @@ def stock_and_odc(rank, world_size, seqs, plans):
 
 
 def die_mid_minibatch(rank, world_size, seqs, plan, victim, timeout_s):
-    import os
-
     model = hsdp_model()
     odc = apply_odc(model, make_transport("shm", group=shard_group(model)), ODCConfig(barrier_timeout_s=timeout_s))
-    global_tokens = count_targets(seqs)
-    odc.begin()
-    for mb in plan[rank]:
-        loss = token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size)
-        if rank == victim:
-            os._exit(17)  # dies after its forward, before pushing any gradient
-        loss.backward()
-    odc.end()
-    return "unreachable"
+    return train_until_victim_dies(model, odc, rank, world_size, seqs, plan, victim)

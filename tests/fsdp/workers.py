@@ -147,10 +147,15 @@ def count_collectives_in_minibatch(rank, world_size, seqs, plan, use_odc):
 
 
 def die_mid_minibatch(rank, world_size, seqs, plan, victim, timeout_s):
-    import os
-
     model = sharded_model(rank, world_size)
     odc = apply_odc(model, make_transport("shm"), ODCConfig(barrier_timeout_s=timeout_s))
+    return train_until_victim_dies(model, odc, rank, world_size, seqs, plan, victim)
+
+
+def train_until_victim_dies(model, odc, rank, world_size, seqs, plan, victim):
+    """One mini-batch in which rank `victim` dies after its first forward, before pushing any gradient."""
+    import os
+
     global_tokens = count_targets(seqs)
     odc.begin()
     for mb in plan[rank]:
