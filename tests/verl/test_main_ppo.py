@@ -66,9 +66,10 @@ def train(out, assets, name: str, strategy: str, steps: int, overrides=(), timeo
     args = grpo.run_args(grpo.settings(assets, RANKS, steps, str(run_dir)), strategy, list(overrides),
                          str(run_dir / f"{strategy}.jsonl"))
     result = grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None)
-    # the closing note's record of every e2e run (shown with pytest -s)
-    print(f"\ne2e run {name}/{strategy}: {result.steps} steps in {result.wall_s:.0f} s, "
-          f"peak memory {result.peak_pss_gib:.2f} GiB")
+    # a record of every e2e run's cost, next to the runs
+    with open(out / "runs.txt", "a") as fp:
+        fp.write(f"{name}/{strategy}: {result.steps} steps in {result.wall_s:.0f} s, "
+                 f"peak memory {result.peak_pss_gib:.2f} GiB\n")
     return Trained(result)
 
 
@@ -91,6 +92,8 @@ def grpo_cli(out, assets):
     run_dir = out / "grpo"
     proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", "--steps", "3", "--out", str(run_dir),
                            *KL_LOSS], capture_output=True, text=True, timeout=2 * RUN_TIMEOUT_S)
+    with open(out / "runs.txt", "a") as fp:
+        fp.writelines(f"grpo cli, {line}\n" for line in proc.stdout.splitlines() if line.startswith("run ") and " in " in line)
     runs = {s: read_metrics(str(run_dir / f"{s}.jsonl")) for s in grpo.STRATEGIES if (run_dir / f"{s}.jsonl").exists()}
     logs = {s: (run_dir / f"{s}.log").read_text(errors="replace") for s in runs}
     return proc, runs, logs
@@ -149,8 +152,8 @@ def test_kl_loss_runs_with_the_reference_model_as_an_odc_engine(grpo_cli):
     _, runs, logs = grpo_cli
     for strategy in grpo.STRATEGIES:
         assert all("actor/kl_loss" in m for m in runs[strategy].values()), strategy
-    assert "odc: ODCEngineWithLMHead (forward only) on 2 ranks" in logs["odc"]
-    assert "odc: ODCEngineWithLMHead on 2 ranks" in logs["odc"]
+    assert "odc: ODCEngineWithLMHead (forward only) on 2 ranks over ShmTransport" in logs["odc"]
+    assert "odc: ODCEngineWithLMHead on 2 ranks over ShmTransport" in logs["odc"]
     assert "odc: ODCEngine" not in logs["fsdp2"]
 
 
@@ -170,28 +173,47 @@ def test_cli_refuses_a_bad_override_before_any_training(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
+def _checkpoint(run: Trained, step: int) -> str:
+    return os.path.join(os.path.dirname(run.result.log_file), "checkpoints", f"global_step_{step}")
+
+
 @pytest.fixture(scope="module")
 def ppo(out, assets):
-    return {s: train(out, assets, f"ppo-{s}", s, 2, PPO) for s in grpo.STRATEGIES}
+    """PPO with a critic as one chain of runs across strategies, every run saving every step: fsdp2 trains
+    steps 1-3; odc resumes fsdp2's step-1 checkpoint and trains steps 2-3; fsdp2 resumes odc's step-2
+    checkpoint and trains step 3. A resumed step starts from the same weights as the step it is compared
+    with, so it sees the same rollouts."""
+    fsdp2 = train(out, assets, "ppo-fsdp2", "fsdp2", 3, PPO)
+    fsdp2.assert_ok(3)
+    odc = train(out, assets, "ppo-odc", "odc", 3,
+                [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={_checkpoint(fsdp2, 1)}"])
+    back = train(out, assets, "ppo-fsdp2-again", "fsdp2", 3,
+                 [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={_checkpoint(odc, 2)}"])
+    return {"fsdp2": fsdp2, "odc": odc, "fsdp2 again": back}
+
+
+def _same_step(a: dict, b: dict) -> None:
+    """The same rollouts, and updates that agree (see test_step_one_equals_fsdp2 for the tolerance)."""
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert a[key] == b[key], key
+    for key in ("critic/values/mean", "critic/vf_loss", "critic/grad_norm", "actor/grad_norm"):
+        assert close(a[key], b[key], 1e-5), (key, a[key], b[key])
 
 
 def test_ppo_with_a_critic(ppo):
-    for strategy in grpo.STRATEGIES:
-        ppo[strategy].assert_ok(2)
-    fsdp2, odc = ppo["fsdp2"].metrics[1], ppo["odc"].metrics[1]
+    odc = ppo["odc"]
+    assert odc.result.returncode == 0, grpo.last_error(odc.result.log_file)
+    assert not grpo.ray_processes(odc.result.ray_dir)
     for key in ("critic/odc/compute_s_mean", "critic/odc/wait_s_max", "odc_balance/critic/efficiency"):
-        assert key in odc, key
-    # the critic starts from the same weights and sees the same rollouts: its values are those of the same
-    # model, its loss and gradient the same math (see test_step_one_equals_fsdp2 for the tolerance)
-    for key in ("critic/values/mean", "critic/vf_loss", "critic/grad_norm", "actor/grad_norm"):
-        assert close(fsdp2[key], odc[key], 1e-5), (key, fsdp2[key], odc[key])
+        assert key in odc.metrics[2], key
+    # the critic's values are those of the same model, its loss and gradient the same math
+    _same_step(ppo["fsdp2"].metrics[2], odc.metrics[2])
 
 
 def _hf_weights(run: Trained, step: int, role: str) -> dict:
     from safetensors.torch import load_file
 
-    ckpt = os.path.join(os.path.dirname(run.result.log_file), "checkpoints", f"global_step_{step}", role,
-                        "huggingface")
+    ckpt = os.path.join(_checkpoint(run, step), role, "huggingface")
     files = [f for f in os.listdir(ckpt) if f.endswith(".safetensors")]
     assert files, f"no HF weights under {ckpt}"
     state = {}
@@ -200,26 +222,18 @@ def _hf_weights(run: Trained, step: int, role: str) -> dict:
     return state
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [("odc", "fsdp2"), ("fsdp2", "odc")])
-def test_resume_a_checkpoint_under_the_other_strategy(out, assets, ppo, saved_by, resumed_by):
-    """Save under one strategy at step 1, resume under the other and train step 2: the resumed run's step 2
-    is the saving run's step 2 (same rollouts, same gradient norms) and its saved weights equal the
-    saving run's step-2 weights, actor and critic: the weights and optimizer state loaded are the ones
-    saved."""
-    saved = ppo[saved_by]
-    saved.assert_ok(2)
-    step1 = os.path.join(os.path.dirname(saved.result.log_file), "checkpoints", "global_step_1")
-    resumed = train(out, assets, f"resume-{saved_by}-{resumed_by}", resumed_by, 2,
-                    [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}"])
+@pytest.mark.parametrize("saved_by, resumed_by", [("odc", "fsdp2 again"), ("fsdp2", "odc")])
+def test_resume_a_checkpoint_under_the_other_strategy(ppo, saved_by, resumed_by):
+    """A run resumed under the other strategy starts after the checkpoint's step, and its first step is the
+    saving run's same step: same rollouts, same gradient norms, and saved weights equal to the saving run's,
+    actor and critic. So the weights and optimizer state loaded are the ones saved."""
+    saved, resumed = ppo[saved_by], ppo[resumed_by]
+    first = {"odc": 2, "fsdp2 again": 3}[resumed_by]
     assert resumed.result.returncode == 0, grpo.last_error(resumed.result.log_file)
-    assert sorted(resumed.metrics) == [2], "the resumed run starts after the checkpoint's step"
-    a, b = saved.metrics[2], resumed.metrics[2]
-    for key in ("critic/score/mean", "response_length/mean"):
-        assert a[key] == b[key], key
-    for key in ("actor/grad_norm", "critic/grad_norm", "critic/vf_loss"):
-        assert close(a[key], b[key], 1e-5), (key, a[key], b[key])
+    assert sorted(resumed.metrics) == list(range(first, 4)), "the resumed run starts after the checkpoint's step"
+    _same_step(saved.metrics[first], resumed.metrics[first])
     for role in ("actor", "critic"):
-        want, got = _hf_weights(saved, 2, role), _hf_weights(resumed, 2, role)
+        want, got = _hf_weights(saved, first, role), _hf_weights(resumed, first, role)
         assert want.keys() == got.keys()
         worst = max((want[k] - got[k]).abs().max().item() for k in want)
         assert worst <= 1e-5, (role, worst)
