@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from odc_plugin.balance import get_cost_model, lb_mini
 from odc_plugin.launch import run_ranks
 from odc_plugin.models import MODEL_SIZES, build_qwen2, qwen2_config, shard_qwen2, token_mean_loss
-from odc_plugin.rows import FACTORS, ROWS, build_rows, factors, plan_of, train_minibatch
+from odc_plugin.rows import FACTORS, ROWS, build_rows, factors, plan_of, train_minibatch, turn_order
 
 TRANSPORT = {"cpu": "shm", "cuda": "cuda_ipc"}
 
@@ -59,7 +59,7 @@ def rank_body(rank, world, size, steps, micro_batches, base_len, skew, device, m
     for step in range(steps + 1):  # step 0 warms up
         seqs = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 * step + i)).to(device)
                 for i, n in enumerate(lengths)]
-        for row in ROWS[step % len(ROWS):] + ROWS[: step % len(ROWS)]:
+        for row in turn_order(step):
             model = rows[row].model
             losses = [lambda mb=mb, m=model: token_mean_loss(m, [seqs[i] for i in mb], global_tokens, world)
                       for mb in plans[plan_of(row)][rank]]

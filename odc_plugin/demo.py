@@ -33,7 +33,8 @@ from .balance.costs import fit_quadratic
 from .balance.planner import simulate_minibatch
 from .launch import run_ranks
 from .models import MODEL_SIZES, build_qwen2, next_token_logprobs, shard_qwen2
-from .rows import FACTORS, ROWS, build_rows, factors, final_param_diff, plan_of, step_breakdown, train_minibatch
+from .rows import (FACTORS, ROWS, build_rows, factors, final_param_diff, plan_of, step_breakdown, train_minibatch,
+                   turn_order)
 
 WORKLOADS = ("rl", "sft")
 
@@ -198,7 +199,7 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans):
             m, batches[0][rank::world], vocab, sum(s.response_len for s in batches[0]), world)])
     for step, batch in enumerate(batches):
         response_tokens = sum(s.response_len for s in batch)
-        for row in ROWS[step % len(ROWS):] + ROWS[: step % len(ROWS)]:  # each row takes each turn
+        for row in turn_order(step):
             micro_batches = plans[row][step][rank]
             losses = [lambda mb=mb, m=rows[row].model: policy_loss(m, [batch[i] for i in mb], vocab,
                                                                     response_tokens, world)

@@ -35,6 +35,13 @@ FACTORS = {  # name: (slower row, faster row)
 }
 
 
+def turn_order(step: int) -> tuple[str, ...]:
+    """The rows in the order they train mini-batch `step`: rotated every step, so each row takes each
+    turn (the first of a mini-batch's rows meets the caches the last one left)."""
+    k = step % len(ROWS)
+    return ROWS[k:] + ROWS[:k]
+
+
 def plan_of(row: str) -> str:
     return row.rsplit("+", 1)[1]
 
