@@ -75,32 +75,39 @@ class Transport(abc.ABC):
         """
 
     def wait_at_least(self, region: Region, peer: int, offset: int, value: int, timeout_s: float, what: str) -> None:
-        """Poll an int64 flag in `peer`'s slice until it reaches `value`; `what` names the wait in the error.
+        """Wait until an int64 flag in `peer`'s slice reaches `value`; `what` names the wait in the error.
 
         Point-to-point: only `peer` has to have got there, nobody else.
         """
         flag = torch.empty(1, dtype=region.dtype, device=region.local.device)
 
-        def reached() -> bool:
+        def waiting_on() -> int | None:
             self.get(region, peer, offset, flag)
-            return int(flag.item()) >= value
+            return None if int(flag.item()) >= value else peer
 
-        poll(reached, timeout_s, lambda: f"rank {self.rank}: waited {timeout_s:g}s for {what}; "
-                                         f"rank {peer} did not get there")
+        self.wait_until(waiting_on, timeout_s, lambda: f"rank {self.rank}: waited {timeout_s:g}s for {what}; "
+                                                       f"rank {peer} did not get there")
 
     def wait_for_arrivals(self, missing: Callable[[], list[int]], epoch: int, timeout_s: float) -> None:
-        """Poll `missing()` (the ranks not yet at barrier `epoch`) until it is empty; name them on timeout."""
+        """Wait until `missing()` (the ranks not yet at barrier `epoch`) is empty; name them on timeout."""
         last: list[int] = []
 
-        def arrived() -> bool:
+        def waiting_on() -> int | None:
             last[:] = missing()
-            return not last
+            return last[0] if last else None
 
-        poll(arrived, timeout_s, lambda: f"rank {self.rank}: ODC barrier #{epoch} timed out after "
-                                         f"{timeout_s:g}s; rank(s) {last} did not arrive")
+        self.wait_until(waiting_on, timeout_s, lambda: f"rank {self.rank}: ODC barrier #{epoch} timed out after "
+                                                       f"{timeout_s:g}s; rank(s) {last} did not arrive")
+
+    def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
+        """Return once `waiting_on()` is None; until then it names a peer whose flag this rank still waits
+        for. Raises ODCTimeoutError(error()) after `timeout_s`. Between checks the rank sleeps (here with
+        growing pauses; a transport that can be woken sleeps until that peer changes a flag)."""
+        poll(lambda: waiting_on() is None, timeout_s, error)
 
     def signal(self, region: Region, offset: int, value: int) -> None:
-        """Set an int64 flag in this rank's own slice, after every transfer this rank issued before it."""
+        """Set an int64 flag in this rank's own slice, after every transfer this rank issued before it;
+        peers waiting for it in wait_at_least see it."""
         self.synchronize()
         region.local[offset] = value
 

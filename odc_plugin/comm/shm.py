@@ -4,6 +4,10 @@ Every region is one file per rank in /dev/shm, mapped by all ranks of the group.
 out of the peer's mapping. An `accumulate` takes a POSIX record lock on exactly the bytes it adds into,
 so writers to disjoint ranges run in parallel and writers to the same range serialize; the kernel drops
 the lock if its holder dies, so a killed rank cannot wedge the others.
+
+A waiting rank sleeps in the kernel and takes no core: every rank owns a doorbell word that it bumps
+(and wakes its sleepers on) whenever it raises one of its flags, and a rank waiting for a peer's flag
+sleeps on that peer's doorbell (futex.py).
 """
 
 from __future__ import annotations
@@ -13,14 +17,20 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from .base import ODCTimeoutError, Region, Transport, poll
+from . import futex
+from .base import ODCTimeoutError, Region, Transport
 
 _SHM_DIR = "/dev/shm"
+# A sleeper re-checks its condition at least this often, whatever it was woken by: a wake-up missed in
+# a race (a flag raised between its check and its sleep) costs at most this long.
+_RECHECK_S = 0.05
 
 
 class _Mapping:
@@ -57,6 +67,7 @@ class ShmTransport(Transport):
         self._peer_tensors: dict[str, list[torch.Tensor]] = {}
         # Record locks belong to the process, not the thread: threads of one rank exclude each other here.
         self._thread_lock = threading.Lock()
+        self._doorbells = self.alloc("odc.doorbell", 1, torch.int32)
         self._arrivals = self.alloc("odc.barrier", 1, torch.int64)
         self._epoch = 0
 
@@ -110,8 +121,33 @@ class ShmTransport(Transport):
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN, nbytes, start, os.SEEK_SET)
 
+    def signal(self, region: Region, offset: int, value: int) -> None:
+        super().signal(region, offset, value)
+        self._ring()
+
+    def _ring(self) -> None:
+        """Wake the ranks sleeping on this rank's doorbell: one of its flags changed. Only this rank
+        writes its doorbell, so the increment needs no lock."""
+        bell = self._doorbells.local
+        bell += 1
+        futex.wake(bell.data_ptr())
+
+    def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
+        deadline = time.monotonic() + timeout_s
+        bells = self._peer_tensors["odc.doorbell"]
+        while (peer := waiting_on()) is not None:
+            # Read the doorbell before checking again: a flag raised after that check also rings after
+            # the read, so the sleep below returns at once instead of missing it.
+            rung = int(bells[peer][0])
+            if waiting_on() != peer:
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ODCTimeoutError(error())
+            futex.wait(bells[peer].data_ptr(), rung, min(left, _RECHECK_S))
+
     def barrier(self, timeout_s: float) -> None:
-        # Each rank writes its arrival (the epoch) into its own word and polls everyone else's. A rank
+        # Each rank writes its arrival (the epoch) into its own word and waits for everyone else's. A rank
         # that times out writes -epoch instead: it gave up, and a rank arriving after that must fail here
         # rather than pass a barrier its peers have left. Arriving and the final decision (pass, give up
         # or fail) happen under one lock, so a late arrival is either seen by the rank that would give up,
@@ -122,18 +158,20 @@ class ShmTransport(Transport):
         decision_lock = (self._mappings["odc.barrier"][0].fd, 0, 8)
         with self._locked(*decision_lock):
             self._arrivals.local[0] = epoch
+        self._ring()
 
         def missing() -> list[int]:
             return [r for r, word in enumerate(words) if 0 <= int(word) < epoch]
 
         with contextlib.suppress(ODCTimeoutError):
-            poll(lambda: not missing(), timeout_s, lambda: "")
+            self.wait_until(lambda: next(iter(missing()), None), timeout_s, lambda: "")
         with self._locked(*decision_lock):
             late = missing()
             gave_up = [r for r, word in enumerate(words) if int(word) < 0]
             if late:
                 self._arrivals.local[0] = -epoch
         if late:
+            self._ring()
             raise ODCTimeoutError(f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; "
                                   f"rank(s) {late} did not arrive")
         if gave_up:

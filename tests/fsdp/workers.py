@@ -299,3 +299,27 @@ def train_routed(rank, world_size, steps, eval_batch, use_odc, reshard_after_for
         opt.step()
         records.append({"scores": scores, "eval": evaluation, "no_grad": no_grad})
     return full_params(model), records
+
+
+def cpu_while_waiting(rank, world_size, late_s):
+    """Rank 1 publishes and reaches the barrier `late_s` late; rank 0 reports the CPU seconds it spent
+    waiting for its shards (the first gather of the forward) and at the end-of-mini-batch barrier."""
+    import time
+
+    model = sharded_model(rank, world_size)
+    odc = apply_odc(model, make_transport("shm"), ODCConfig(barrier_timeout_s=60))
+    seqs = make_sequences(2, seed=1)
+    spent = {}
+    if rank == 1:
+        time.sleep(late_s)
+    odc.begin()
+    cpu, wall = time.process_time(), time.perf_counter()
+    loss = token_mean_loss(model, seqs, count_targets(seqs), world_size)
+    spent["published"] = (time.process_time() - cpu, time.perf_counter() - wall)
+    loss.backward()
+    if rank == 1:
+        time.sleep(late_s)
+    cpu, wall = time.process_time(), time.perf_counter()
+    odc.end()
+    spent["barrier"] = (time.process_time() - cpu, time.perf_counter() - wall)
+    return spent
