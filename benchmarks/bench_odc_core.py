@@ -1,4 +1,4 @@
-"""The four A/B rows (odc_plugin/rows.py) when every micro-batch is lopsided across ranks.
+"""The four A/B rows (odc_plugin/demo/rows.py) when every micro-batch is lopsided across ranks.
 
 Each mini-batch has M micro-batches per rank. In micro-batch i, rank i % W gets `--skew` times the
 tokens of the others, so every rank's total is the same but every single micro-batch is lopsided: this
@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from odc_plugin.balance import get_cost_model, lb_mini
 from odc_plugin.launch import run_ranks
 from odc_plugin.models import MODEL_SIZES, build_qwen2, qwen2_config, shard_qwen2, token_mean_loss
-from odc_plugin.rows import FACTORS, ROWS, build_rows, factors, plan_of, train_minibatch, turn_order
+from odc_plugin.demo.rows import FACTORS, ROWS, build_rows, factors, plan_of, train_minibatch, turn_order
 
 TRANSPORT = {"cpu": "shm", "cuda": "cuda_ipc"}
 

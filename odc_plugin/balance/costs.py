@@ -11,7 +11,7 @@ import json
 import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -196,6 +196,8 @@ class CostCalibration:
     points: list[list[float]]  # [seqlen, seconds], measured
     max_rel_error: float  # of the fit over the points
     layer: dict[str, int]
+    # backward seconds per forward second; the fit is of their sum (odc-demo --emulate splits it so)
+    backward_ratio: float = 2.0
 
     UNIT: ClassVar[str] = "seconds per layer"
 
@@ -221,15 +223,18 @@ class CostCalibration:
         if not isinstance(data, dict):
             # A ValueError like every other bad file, so that callers report it the same way.
             raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004
-        missing = [f.name for f in fields(cls) if f.name not in data]
+        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING]
         if missing:
             raise ValueError(f"{where} lacks {', '.join(missing)}")
-        for key in ("a", "b"):
-            if isinstance(data[key], bool) or not isinstance(data[key], numbers.Real) or data[key] < 0:
-                raise ValueError(f"{where}: {key} must be a number >= 0, got {data[key]!r}")
+        for key in ("a", "b", "backward_ratio"):
+            value = data.get(key, 0.0)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+                raise ValueError(f"{where}: {key} must be a number >= 0, got {value!r}")
+        if data["a"] + data["b"] == 0:
+            raise ValueError(f"{where}: a and b are both 0")
         if data["unit"] != cls.UNIT:
             raise ValueError(f"{where}: unit must be {cls.UNIT!r}, got {data['unit']!r}")
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 COST_MODELS = {m.name: m for m in (TokenCost, FlopsCost, FitCost)}

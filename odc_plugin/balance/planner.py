@@ -81,12 +81,16 @@ class MiniBatchTime:
 
 def simulate_minibatch(
     plan: RankPlan, costs: Sequence[float], *, lockstep: bool, model: StepTimeModel = StepTimeModel(),
-    comm_s: float | None = None,
+    comm_s: float | None = None, slowdown: Sequence[float] | None = None,
 ) -> MiniBatchTime:
     """Time of one mini-batch run as `plan` (per rank, micro-batches of sample indices into costs);
-    `comm_s`, when given, is each micro-batch's communication instead of the model's."""
+    `comm_s`, when given, is each micro-batch's communication instead of the model's; `slowdown[r]`
+    multiplies rank r's compute (a slower GPU). Idle is measured against each rank's own busy time."""
     comm = model.comm_seconds(len(plan)) if comm_s is None else comm_s
-    compute = [[sum(costs[i] for i in mb) / model.throughput for mb in rank] for rank in plan]
+    slowdown = [1.0] * len(plan) if slowdown is None else list(slowdown)
+    if len(slowdown) != len(plan):
+        raise ValueError(f"slowdown has {len(slowdown)} entries for {len(plan)} ranks")
+    compute = [[sum(costs[i] for i in mb) * f / model.throughput for mb in rank] for rank, f in zip(plan, slowdown)]
     if lockstep:
         counts = sorted({len(rank) for rank in compute})
         if len(counts) > 1:

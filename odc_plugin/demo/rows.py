@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import make_transport
-from .fsdp import ODCConfig, OnDemandComm, apply_odc
+from ..comm import make_transport
+from ..fsdp import ODCConfig, OnDemandComm, apply_odc
 from .timeline import CommClock, TimedTransport, breakdown, time_fsdp_collectives
 
 ROWS = ("fsdp2+lb_micro", "lockstep+lb_micro", "odc+lb_micro", "odc+lb_mini")
@@ -65,7 +65,8 @@ def build_rows(build_model: Callable[[], nn.Module], transport: str, lr: float) 
         else:
             odc = apply_odc(model, TimedTransport(make_transport(transport), clock),
                             ODCConfig(lockstep=name.startswith("lockstep")))
-        rows[name] = Row(model, torch.optim.AdamW(model.parameters(), lr=lr), clock, odc)
+        # foreach: one multi-tensor step instead of a Python loop over DTensors (5x less CPU per step)
+        rows[name] = Row(model, torch.optim.AdamW(model.parameters(), lr=lr, foreach=True), clock, odc)
     return rows
 
 
@@ -79,7 +80,7 @@ def train_minibatch(row: Row, losses: list[Callable[[], torch.Tensor]], device: 
     _sync_device(device)
     dist.barrier()
     start = time.perf_counter()
-    row.clock.intervals.clear()
+    row.clock.clear()
     if row.odc:
         row.odc.begin()
     for loss in losses:
@@ -91,8 +92,9 @@ def train_minibatch(row: Row, losses: list[Callable[[], torch.Tensor]], device: 
     row.optimizer.zero_grad()
     _sync_device(device)
     own = time.perf_counter() - start
+    intervals, wait_cpu = row.clock.take(start)
     dist.barrier()
-    return {"step_s": time.perf_counter() - start, "own_s": own, "intervals": row.clock.take(start),
+    return {"step_s": time.perf_counter() - start, "own_s": own, "intervals": intervals, "wait_cpu_s": wait_cpu,
             "micro_batches": len(losses)}
 
 

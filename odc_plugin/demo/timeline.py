@@ -18,29 +18,41 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from .comm import Region, Transport
+from ..comm import Region, Transport
 
 TRANSFER, PUBLISHED, BARRIER, COLLECTIVE = "transfer", "published", "barrier", "collective"
 
 
 @dataclass
 class CommClock:
-    """Intervals (start, end, kind) of communication calls, in perf_counter seconds."""
+    """Intervals (start, end, kind) of communication calls, in perf_counter seconds, and the CPU seconds
+    this process spent in the calls that wait (published flags, barriers, collectives)."""
 
     intervals: list[tuple[float, float, str]] = field(default_factory=list)
+    wait_cpu_s: float = 0.0
 
     def timed(self, kind: str, fn, *args, **kwargs):
+        # process_time, not thread_time: gloo's own threads do a collective's work while the caller waits
+        cpu = time.process_time() if kind != TRANSFER else 0.0
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             self.intervals.append((start, time.perf_counter(), kind))
+            if kind != TRANSFER:
+                self.wait_cpu_s += time.process_time() - cpu
 
-    def take(self, since: float) -> list[tuple[float, float, str]]:
-        """The intervals recorded since `since`, relative to it; the clock starts over."""
+    def take(self, since: float) -> tuple[list[tuple[float, float, str]], float]:
+        """The intervals recorded since `since`, relative to it, and the CPU seconds spent waiting; the
+        clock starts over."""
         out = [(a - since, b - since, kind) for a, b, kind in self.intervals if b >= since]
+        cpu = self.wait_cpu_s
+        self.clear()
+        return out, cpu
+
+    def clear(self) -> None:
         self.intervals.clear()
-        return out
+        self.wait_cpu_s = 0.0
 
 
 def breakdown(step_s: float, own_s: list[float], intervals: list[list[tuple[float, float, str]]]) -> list[dict]:

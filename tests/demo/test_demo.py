@@ -6,9 +6,12 @@ import json
 
 import pytest
 
-from odc_plugin.demo import DemoConfig, draw_minibatches, main, run_demo
+from odc_plugin.demo import main
+from odc_plugin.demo.config import DemoConfig
+from odc_plugin.demo.run import run_demo
+from odc_plugin.demo.workload import draw_minibatches
 from odc_plugin.models import MODEL_SIZES
-from odc_plugin.rows import FACTORS, ROWS
+from odc_plugin.demo.rows import FACTORS, ROWS
 
 
 def test_tiny_demo_reports_four_rows_that_train_the_same_samples_to_the_same_parameters(tmp_path, capfd):

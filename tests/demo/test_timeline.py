@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from odc_plugin.timeline import BARRIER, COLLECTIVE, PUBLISHED, TRANSFER, breakdown
+from odc_plugin.demo.timeline import BARRIER, COLLECTIVE, PUBLISHED, TRANSFER, breakdown
 
 
 def test_a_collective_is_transfer_for_the_last_to_arrive_and_waiting_for_the_others():

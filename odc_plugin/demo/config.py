@@ -1,0 +1,85 @@
+"""What one `odc-demo` run trains: ranks, model, workload, and whether layer compute is emulated."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..models import MODEL_SIZES
+from .emulate import EmulationFit, parse_slow_ranks
+
+WORKLOADS = ("rl", "sft")
+# "auto" time scale: a rank's fair share of a mini-batch's emulated work takes about this long.
+AUTO_SHARE_S = 5.0
+# With emulation the model computes on sequences this many times shorter than the true ones.
+EMULATED_STAND_IN = 64
+
+
+@dataclass
+class DemoConfig:
+    ranks: int = max(2, os.cpu_count() or 2)
+    steps: int = 8
+    # None: "small", or "stand-in" with emulation (a model whose own compute costs next to nothing)
+    model_size: str | None = None
+    workload: str = "rl"
+    lengths: str | None = None  # a file of sample lengths; default: the workload's generator
+    # prompts per mini-batch (rl), samples per mini-batch (sft); None: 4 (rl) or 16 (sft), with
+    # the default token budget several micro-batches per rank either way
+    mini_batch_size: int | None = None
+    group_size: int = 4  # GRPO responses per prompt (rl)
+    max_prompt_length: int = 128
+    max_response_length: int = 2048
+    # per micro-batch, like verl's ppo_max_token_len_per_gpu (just above the longest RL sample, as
+    # verl users set it); sft: also the longest sample
+    max_token_len: int = 2304
+    seed: int = 0
+    out_dir: str = "odc_reports"
+    # a cost calibration JSON (benchmarks/calibrate_cost.py): every decoder layer takes the time it
+    # gives for the true lengths; None: real compute, with a cost fit calibrated on this CPU
+    emulate: str | None = None
+    # emulated seconds = the fit's seconds times this; "auto": a rank's fair share of a mini-batch
+    # takes about AUTO_SHARE_S
+    time_scale: float | str = 1.0
+    # the model computes on sequences this many times shorter than the true ones; None: 64 with
+    # emulation, else 1
+    stand_in: int | None = None
+    # "R:F[,R:F]": rank R's layers take F times as long (emulated, or as measured without a fit)
+    slow_ranks: str | None = None
+    slowdowns: list[float] = field(init=False)
+
+    def __post_init__(self):
+        if self.ranks < 1:
+            raise ValueError(f"--ranks must be >= 1, got {self.ranks}")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.model_size is None:
+            self.model_size = "stand-in" if self.emulate else "small"
+        if self.model_size not in MODEL_SIZES:
+            raise ValueError(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got '{self.model_size}'")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got '{self.workload}'")
+        if self.mini_batch_size is None:
+            self.mini_batch_size = 4 if self.workload == "rl" else 16
+        if self.mini_batch_size < 1:
+            raise ValueError(f"--mini-batch-size must be >= 1, got {self.mini_batch_size}")
+        if self.lengths is not None and not os.path.exists(self.lengths):
+            raise ValueError(f"--lengths file not found: {self.lengths}")
+        if self.workload == "rl" and self.max_prompt_length + self.max_response_length > self.max_token_len:
+            raise ValueError(f"--max-token-len {self.max_token_len} is below the longest possible sample "
+                             f"({self.max_prompt_length} + {self.max_response_length})")
+        if self.time_scale != "auto" and not (isinstance(self.time_scale, (int, float)) and self.time_scale > 0):
+            raise ValueError(f"--time-scale must be a number > 0 or 'auto', got {self.time_scale!r}")
+        if self.time_scale != 1.0 and not self.emulate:
+            raise ValueError("--time-scale scales emulated compute: it needs --emulate")
+        if self.emulate:
+            EmulationFit.load(self.emulate)  # a bad file fails here, before any rank starts
+        if self.stand_in is None:
+            self.stand_in = EMULATED_STAND_IN if self.emulate else 1
+        if self.stand_in < 1:
+            raise ValueError(f"--stand-in must be >= 1, got {self.stand_in}")
+        slow = parse_slow_ranks(self.slow_ranks, self.ranks)
+        self.slowdowns = [slow.get(r, 1.0) for r in range(self.ranks)]
+
+    @property
+    def samples_per_minibatch(self) -> int:
+        return self.mini_batch_size * (self.group_size if self.workload == "rl" else 1)

@@ -1,0 +1,127 @@
+"""Emulated layer compute (odc_plugin/demo/emulate.py) and the scale rehearsal it drives."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from odc_plugin.balance import FitCost
+from odc_plugin.balance.planner import simulate_minibatch
+from odc_plugin.demo import main
+from odc_plugin.demo.config import DemoConfig
+from odc_plugin.demo.emulate import ComputeEmulator, EmulationFit, parse_slow_ranks
+from odc_plugin.demo.rows import ROWS
+from odc_plugin.demo.run import run_demo
+from odc_plugin.demo.workload import draw_minibatches
+
+ROOT = Path(__file__).resolve().parents[2]
+FIT_FILE = str(ROOT / "configs" / "cost_fit" / "Qwen2.5-7B-H100.json")
+NOT_JSON = str(ROOT / "pyproject.toml")
+
+
+def _timed_pass(layer, x):
+    start = time.perf_counter()
+    y = layer(x)
+    middle = time.perf_counter()
+    y.sum().backward()
+    return middle - start, time.perf_counter() - middle
+
+
+def test_an_emulated_layer_takes_its_fitted_forward_and_backward_time():
+    # 2 layers sharing 0.6 s per micro-batch: each 0.3 s, 0.1 s forward and 0.2 s backward
+    fit = EmulationFit(FitCost(0.0, 0.6 / 1000), num_layers=1, backward_ratio=2.0, time_scale=1.0, source="test")
+    emulator = ComputeEmulator(fit, 1.0, num_layers=2)
+    layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    emulator.attach(layers)
+    emulator.micro_batch([600, 400])
+    forward, backward = _timed_pass(layers[0], torch.randn(4, 8, requires_grad=True))
+    assert forward == pytest.approx(0.1, rel=0.1) and backward == pytest.approx(0.2, rel=0.1)
+    slow = ComputeEmulator(fit, 1.5, num_layers=2)
+    slow.attach(layers[1:] + [torch.nn.Linear(8, 8)])
+    slow.micro_batch([1000])
+    forward, backward = _timed_pass(layers[1], torch.randn(4, 8, requires_grad=True))
+    assert forward == pytest.approx(0.15, rel=0.1) and backward == pytest.approx(0.3, rel=0.1)
+
+
+class _Sleeps(torch.nn.Module):
+    def forward(self, x):
+        time.sleep(0.05)
+        return x * 2
+
+
+def test_without_a_fit_a_slow_rank_takes_its_factor_times_the_measured_time():
+    layer = _Sleeps()
+    ComputeEmulator(None, 3.0, num_layers=1).attach([layer])
+    forward, _ = _timed_pass(layer, torch.randn(4, requires_grad=True))
+    assert forward == pytest.approx(0.15, rel=0.1)
+
+
+def test_the_planner_paces_lockstep_by_the_slow_rank_at_every_step_and_odc_only_at_the_end():
+    plan = [[[0], [1]], [[2], [3]]]  # two ranks, two micro-batches each
+    costs = [1.0, 1.0, 1.0, 1.0]
+    assert simulate_minibatch(plan, costs, lockstep=True, slowdown=[1.5, 1.0]).seconds == 3.0
+    assert simulate_minibatch(plan, costs, lockstep=False, slowdown=[1.0, 2.0]).seconds == 4.0
+    with pytest.raises(ValueError, match="slowdown has 1 entries for 2 ranks"):
+        simulate_minibatch(plan, costs, lockstep=False, slowdown=[1.0])
+
+
+def test_an_8_rank_emulated_run_trains_every_sample_once_per_row_to_the_same_parameters(tmp_path):
+    cfg = DemoConfig(ranks=8, steps=2, workload="rl", mini_batch_size=8, max_prompt_length=512,
+                     max_response_length=16384, max_token_len=16896, emulate=FIT_FILE, time_scale=0.05,
+                     slow_ranks="3:2", out_dir=str(tmp_path))
+    report = run_demo(cfg, quiet=True)
+    assert report["config"]["model_size"] == "stand-in" and report["calibration"]["time_scale"] == 0.05
+    for row, r in report["runs"].items():
+        for k, batch in enumerate(draw_minibatches(cfg)):
+            trained = sorted(seed for rank in r["samples_per_rank"][k] for seed in rank)
+            assert trained == sorted(s.seed for s in batch), row
+        assert len(r["predicted_step_s"]) == 2 and all(t > 0 for t in r["predicted_step_s"])
+    assert report["max_param_diff"] < 1e-5
+    assert report["config"]["slowdowns"] == [1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    assert report["memory_mb"] > 0 and len(report["ideal_step_s"]) == 2
+    with open(tmp_path / "odc_demo.json") as f:
+        assert json.load(f)["factors"] == report["factors"]
+    assert list(report["runs"]) == list(ROWS)
+
+
+def test_a_sweep_point_writes_its_json_and_picture(tmp_path, capsys):
+    main(["--emulate", FIT_FILE, "--sweep-ranks", "4", "--workload", "rl", "--steps", "1", "--time-scale", "0.02",
+          "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "odc_sweep.json").read_text())
+    (point,) = result["points"]
+    assert (point["workload"], point["ranks"], point["samples_per_minibatch"]) == ("rl", 4, 16)
+    assert set(point["rows"]) == set(ROWS) and point["headline"] > 0
+    assert point["relative_error"] == pytest.approx(point["predicted_headline"] / point["headline"] - 1)
+    assert (tmp_path / "odc_sweep.png").stat().st_size > 0
+    assert "EMULATED" in capsys.readouterr().out
+
+
+def test_slow_ranks_spec():
+    assert parse_slow_ranks("3:1.5, 0:2", 4) == {3: 1.5, 0: 2.0}
+    assert parse_slow_ranks(None, 4) == {}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--emulate", "/nonexistent.json"], "cost calibration '/nonexistent.json' cannot be read"),
+    (["--emulate", NOT_JSON], f"cost calibration {NOT_JSON!r} is not JSON"),
+    (["--slow-ranks", "1"], "--slow-ranks: '1' is not RANK:FACTOR (e.g. 3:1.5)"),
+    (["--slow-ranks", "1:x"], "--slow-ranks: '1:x' is not RANK:FACTOR"),
+    (["--ranks", "2", "--slow-ranks", "2:1.5"], "--slow-ranks: rank 2 is out of range for 2 ranks"),
+    (["--slow-ranks", "0:0"], "--slow-ranks: factor of rank 0 must be > 0, got 0"),
+    (["--slow-ranks", "0:2,0:3"], "--slow-ranks: rank 0 is given twice"),
+    (["--sweep-ranks", "4"], "--sweep-ranks runs many ranks on this machine's cores: it needs --emulate"),
+    (["--emulate", FIT_FILE, "--sweep-ranks", "2", "4", "--slow-ranks", "3:2"],
+     "--slow-ranks: rank 3 is out of range for 2 ranks"),
+    (["--time-scale", "2"], "--time-scale scales emulated compute: it needs --emulate"),
+    (["--emulate", FIT_FILE, "--time-scale", "fast"], "must be a number or 'auto', got 'fast'"),
+    (["--emulate", FIT_FILE, "--time-scale", "-1"], "--time-scale must be a number > 0 or 'auto', got -1.0"),
+])
+def test_bad_emulation_options_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and len([line for line in err if "error" in line]) == 1
