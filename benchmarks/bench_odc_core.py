@@ -6,7 +6,9 @@ layout is the plan of the three `lb_micro` rows, whose lockstep ones pay each mi
 rank at every layer; `odc+lb_mini` trains the same samples as LB-Mini spreads them. A balanced case
 (skew 1) measures ODC's own overhead against the lockstep baseline on the same transport, and the
 transport itself (stock FSDP2's collectives vs ODC's copies) as a separate factor. All rows run in the
-same processes, taking turns mini-batch by mini-batch from identical weights.
+same processes, taking turns mini-batch by mini-batch from identical weights. `--forward-only` adds a
+balanced case of forward-only mini-batches (a log-prob or value pass: no gradient, no optimizer step, so
+ODC's shards stay as they were published).
 
 CPU ranks (gloo, shared-memory transport) by default. `--device cuda` runs one rank per GPU (NCCL,
 CUDA IPC transport); with one rank it measures ODC's own overhead on a GPU (publishing shards, the
@@ -29,7 +31,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from odc_plugin.balance import get_cost_model, lb_mini
 from odc_plugin.launch import run_ranks
 from odc_plugin.models import MODEL_SIZES, build_qwen2, qwen2_config, shard_qwen2, token_mean_loss
-from odc_plugin.demo.rows import FACTORS, ROWS, build_rows, factors, plan_of, train_minibatch, turn_order
+from odc_plugin.demo.rows import (FACTORS, ROWS, build_rows, factors, infer_minibatch, plan_of, train_minibatch,
+                                  turn_order)
 
 TRANSPORT = {"cpu": "shm", "cuda": "cuda_ipc"}
 
@@ -44,7 +47,7 @@ def skewed_plan(world, micro_batches, base_len, skew):
     return lengths, plan
 
 
-def rank_body(rank, world, size, steps, micro_batches, base_len, skew, device, mixed_precision):
+def rank_body(rank, world, size, steps, micro_batches, base_len, skew, device, mixed_precision, forward_only=False):
     if device == "cuda":
         torch.cuda.set_device(rank)
     mesh = init_device_mesh(device, (world,))
@@ -63,7 +66,8 @@ def rank_body(rank, world, size, steps, micro_batches, base_len, skew, device, m
             model = rows[row].model
             losses = [lambda mb=mb, m=model: token_mean_loss(m, [seqs[i] for i in mb], global_tokens, world)
                       for mb in plans[plan_of(row)][rank]]
-            elapsed = train_minibatch(rows[row], losses, device)["step_s"]
+            run = infer_minibatch if forward_only else train_minibatch
+            elapsed = run(rows[row], losses, device)["step_s"]
             if step:
                 times[row].append(elapsed)
     return times
@@ -79,6 +83,7 @@ def main():
     p.add_argument("--skews", type=int, nargs="+", default=[3, 1], help="1 is the balanced (overhead) case")
     p.add_argument("--device", default="cpu", choices=sorted(TRANSPORT))
     p.add_argument("--mixed-precision", action="store_true", help="bf16 parameters, fp32 gradient reduction")
+    p.add_argument("--forward-only", action="store_true", help="also a balanced case of forward-only mini-batches")
     args = p.parse_args()
     if args.device == "cuda" and args.ranks > torch.cuda.device_count():
         p.error(f"--device cuda runs one rank per GPU: {args.ranks} ranks need {args.ranks} GPUs, "
@@ -91,10 +96,12 @@ def main():
           "mini-batches per row")
     print(f"{'case':<28}" + "".join(f"{row:>19}" for row in ROWS) + "".join(f"{name:>17}" for name in FACTORS))
     backend = "nccl" if args.device == "cuda" else "gloo"
-    for skew in args.skews:
+    cases = [(skew, False) for skew in args.skews] + ([(1, True)] if args.forward_only else [])
+    for skew, forward_only in cases:
         times = run_ranks(rank_body, args.ranks, args.model_size, args.steps, args.micro_batches,
-                          args.base_len, skew, args.device, args.mixed_precision, backend=backend)[0]
-        label = f"skew {skew}x per micro-batch" if skew > 1 else "balanced (overhead)"
+                          args.base_len, skew, args.device, args.mixed_precision, forward_only, backend=backend)[0]
+        label = ("forward-only, balanced" if forward_only else
+                 f"skew {skew}x per micro-batch" if skew > 1 else "balanced (overhead)")
         medians = "".join(f"{statistics.median(times[row]):>19.3f}" for row in ROWS)
         print(f"{label:<28}{medians}" + "".join(f"{f:>16.3f}x" for f in factors(times).values()))
     print("s/step medians per row; factors are medians of per-mini-batch ratios (odc+lb_mini: over lockstep)")

@@ -15,12 +15,21 @@ mini-batch pieces. This patch, for roles whose engine strategy is `odc` with `od
   (actor) and `odc_balance/critic/*`.
 * `PPOTrainer._update_actor` (1827) / `_update_critic` (1804): put the role's plan into the batch's
   extra_info for the duration of the update call.
-* the dispatch function of `ActorRolloutRefWorker.update_actor` (`workers/engine_workers.py:708`) and
-  of `TrainingWorker.train_mini_batch` (243; the critic's worker group): a batch carrying a plan is
-  split by it (`split_by_plan`: each rank its samples rank-major and its per-mini-batch counts)
-  instead of into equal chunks; anything else goes to verl's dispatch unchanged.
+* the forward-only passes of those roles are planned too, the whole batch as one mini-batch: the
+  actor's old log-probs, the reference log-probs (the reference model's engine, or the actor's when
+  the reference lives in it) and the critic's values. `_compute_old_log_prob` (1634),
+  `_compute_ref_log_prob` (1695) and `_compute_values` (1721) put their plan into extra_info for the
+  call; each rank computes its share, and verl writes the results back by sample key, so they land
+  in the batch's order whatever the split.
+* `_update_actor` / `_update_critic` also read the `auto` cost's fit from the metrics the engine
+  reported (`<role>/odc/fit_*`) for the next step's plans, and log it as `odc_balance/fit_*`,
+  `rank_speed_min|max` and the plan's `prediction_error` (its predicted time over the measured one).
+* the dispatch function of `ActorRolloutRefWorker.update_actor` (`workers/engine_workers.py:708`),
+  `compute_log_prob` (700) and `compute_ref_log_prob` (693), and of `TrainingWorker.train_mini_batch`
+  (243) and `infer_batch` (397; the critic's worker group): a batch carrying a plan is split by it
+  (`split_by_plan`: each rank its samples rank-major and its per-mini-batch counts) instead of into
+  equal chunks; anything else goes to verl's dispatch unchanged.
 
-Log-prob, reference and value stages keep verl's equal split: their results are routed by key.
 Roles on fsdp/fsdp2 (or odc with lb_micro) get no plan, so every stock run is unchanged.
 """
 
@@ -49,15 +58,30 @@ _SIGNATURES = {
     "_balance_batch": ["self", "batch", "metrics", "logging_prefix", "keep_minibatch"],
     "_update_actor": ["self", "batch", "metrics"],
     "_update_critic": ["self", "batch", "metrics"],
+    "_compute_old_log_prob": ["self", "batch", "metrics"],
+    "_compute_ref_log_prob": ["self", "batch", "metrics"],
+    "_compute_values": ["self", "batch", "metrics"],
 }
 # Names the stock trainer methods use; if one disappears the method was rewritten and the patch must be too.
 _TRAINER_USES = {
     "_balance_batch": ("_dispatch_info", "_query_dispatch_info", "upsample_batch_to_divisible_size"),
     "_update_actor": ("update_actor", "extra_info"),
     "_update_critic": ("train_mini_batch", "extra_info"),
+    "_compute_old_log_prob": ("compute_log_prob", "extra_info"),
+    "_compute_ref_log_prob": ("compute_ref_log_prob", "compute_log_prob", "ref_in_actor", "extra_info"),
+    "_compute_values": ("infer_batch", "extra_info"),
 }
-# Worker methods whose update batches are dispatched by the plan, and the mesh verl dispatches them on.
-_DISPATCHED = (("ActorRolloutRefWorker", "update_actor", "actor"), ("TrainingWorker", "train_mini_batch", "train"))
+# Worker methods whose batches are dispatched by the plan, and the mesh verl dispatches them on.
+_DISPATCHED = (
+    ("ActorRolloutRefWorker", "update_actor", "actor"),
+    ("ActorRolloutRefWorker", "compute_log_prob", "actor"),
+    ("ActorRolloutRefWorker", "compute_ref_log_prob", "ref"),
+    ("TrainingWorker", "train_mini_batch", "train"),
+    ("TrainingWorker", "infer_batch", "train"),
+)
+# The trainer methods that carry a stage's plan into their worker call: (method, stage).
+_STAGES = (("_update_actor", "actor"), ("_update_critic", "critic"), ("_compute_old_log_prob", "old_log_prob"),
+           ("_compute_ref_log_prob", "ref_log_prob"), ("_compute_values", "values"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,42 +155,71 @@ def _dispatch_dicts():
 # ---------------------------------------------------------------------------------------------
 
 
-def _role_settings(trainer, role: str):
-    """LB-Mini settings of the actor or the critic (cached on the trainer), None for verl's split."""
+def _stage_settings(trainer, stage: str):
+    """LB-Mini settings of a stage (cached on the trainer), None for verl's equal split.
+
+    Stages: "actor" and "critic" (updates), "old_log_prob", "ref_log_prob" and "values" (forward-only
+    passes, planned with their role's training fit)."""
     cache = trainer.__dict__.setdefault("_odc_lb_mini_settings", {})
-    if role in cache:
-        return cache[role]
+    if stage in cache:
+        return cache[stage]
     from verl.utils.config import omega_conf_to_dataclass
 
     from odc_plugin.verl.dispatch import lb_mini_settings
 
     config = trainer.config
-    n = config.actor_rollout_ref.rollout.n
+    roles = config.actor_rollout_ref
     settings = None
-    if role == "actor" and config.actor_rollout_ref.actor.get("strategy") == "odc":
-        actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    if stage == "actor" and roles.actor.get("strategy") == "odc":
+        actor = omega_conf_to_dataclass(roles.actor)
         # what ActorRolloutRefWorker.init_model gives the actor's engine (engine_workers.py:619-628)
         settings = lb_mini_settings(
             actor.engine,
             # the global mini-batch size _update_actor puts in extra_info (trainer_base.py:1829-1830)
-            mini_batch_size=config.actor_rollout_ref.actor.ppo_mini_batch_size * n,
+            mini_batch_size=roles.actor.ppo_mini_batch_size * roles.rollout.n,
             use_dynamic_bsz=actor.use_dynamic_bsz,
             max_token_len=actor.ppo_max_token_len_per_gpu,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
-            model_config=lambda: omega_conf_to_dataclass(config.actor_rollout_ref.model).hf_config,
+            model_config=lambda: omega_conf_to_dataclass(roles.model).hf_config,
         )
-    elif role == "critic" and config.critic.get("strategy") == "odc":
+    elif stage == "critic" and config.critic.get("strategy") == "odc":
         critic = omega_conf_to_dataclass(config.critic)
         # what PPOTrainer._setup gives the critic's engine (trainer_base.py:266-268)
         settings = lb_mini_settings(
             critic.engine,
-            mini_batch_size=config.critic.ppo_mini_batch_size * n,  # as _update_critic (1806-1807)
+            mini_batch_size=config.critic.ppo_mini_batch_size * roles.rollout.n,  # as _update_critic (1806-1807)
             use_dynamic_bsz=critic.engine.use_dynamic_bsz,
             max_token_len=critic.ppo_infer_max_token_len_per_gpu,
             micro_batch_size=critic.engine.micro_batch_size_per_gpu,
             model_config=lambda: critic.model.hf_config,
         )
-    cache[role] = settings
+    elif stage == "old_log_prob" or (stage == "ref_log_prob" and trainer.ref_in_actor):
+        actor = _stage_settings(trainer, "actor")
+        # the actor engine's inference budget (engine_workers.py:619-624)
+        settings = actor and actor.for_inference(
+            roles.rollout.log_prob_max_token_len_per_gpu if actor.max_token_len else None,
+            None if actor.max_token_len else roles.rollout.log_prob_micro_batch_size_per_gpu)
+    elif stage == "ref_log_prob" and roles.ref.get("strategy") == "odc":
+        ref = roles.ref
+        # what init_model gives the reference engine (engine_workers.py:545-584); the actor's fit, same model
+        engine = omega_conf_to_dataclass(ref.fsdp_config)
+        object.__setattr__(engine, "strategy", ref.strategy)  # as verl's FSDPActorConfig does (actor.py:321-325)
+        own = lb_mini_settings(
+            engine,
+            mini_batch_size=1,
+            use_dynamic_bsz=ref.get("log_prob_use_dynamic_bsz", False),
+            max_token_len=ref.get("log_prob_max_token_len_per_gpu"),
+            micro_batch_size=ref.get("log_prob_micro_batch_size_per_gpu"),
+            model_config=lambda: omega_conf_to_dataclass(roles.model).hf_config,
+        )
+        actor = _stage_settings(trainer, "actor")
+        settings = own and (actor or own).for_inference(own.max_token_len, own.micro_batch_size)
+    elif stage == "values":
+        critic = _stage_settings(trainer, "critic")
+        settings = critic and critic.for_inference(
+            config.critic.ppo_infer_max_token_len_per_gpu if critic.max_token_len else None,
+            None if critic.max_token_len else critic.micro_batch_size)
+    cache[stage] = settings
     return settings
 
 
@@ -176,29 +229,38 @@ def _dp_size(worker_group, mesh: str) -> int:
     return max(worker_group._dispatch_info[mesh]) + 1
 
 
-def _roles_training_now(trainer):
-    """(role, settings, worker group, mesh, metrics prefix) of the LB-Mini roles this step updates."""
-    roles = []
-    # the same conditions verl's _get_required_batch_multiple pads for (trainer_base.py:1589-1606)
-    if trainer.config.trainer.critic_warmup <= trainer.global_steps:
-        settings = _role_settings(trainer, "actor")
-        if settings is not None:
-            roles.append(("actor", settings, trainer.actor_rollout_wg, "actor", "odc_balance"))
+def _stages_this_step(trainer):
+    """(stage, settings, worker group, mesh) of the LB-Mini stages this step runs."""
+    candidates = [("old_log_prob", trainer.actor_rollout_wg, "actor")]
+    if trainer.use_reference_policy:
+        candidates.append(("ref_log_prob", *((trainer.actor_rollout_wg, "actor") if trainer.ref_in_actor
+                                              else (trainer.ref_policy_wg, "ref"))))
     if trainer.use_critic:
-        settings = _role_settings(trainer, "critic")
+        candidates += [("values", trainer.critic_wg, "train"), ("critic", trainer.critic_wg, "train")]
+    # the same condition verl's _get_required_batch_multiple pads for (trainer_base.py:1589-1606)
+    if trainer.config.trainer.critic_warmup <= trainer.global_steps:
+        candidates.append(("actor", trainer.actor_rollout_wg, "actor"))
+    stages = []
+    for stage, worker_group, mesh in candidates:
+        settings = _stage_settings(trainer, stage)
         if settings is not None:
-            roles.append(("critic", settings, trainer.critic_wg, "train", "odc_balance/critic"))
-    return roles
+            stages.append((stage, settings, worker_group, mesh))
+    return stages
+
+
+# Where a stage's plan statistics go in the step's metrics.
+_METRICS_PREFIX = {"actor": "odc_balance", "critic": "odc_balance/critic", "old_log_prob": "odc_balance/old_log_prob",
+                   "ref_log_prob": "odc_balance/ref_log_prob", "values": "odc_balance/values"}
 
 
 def _wrap_balance_batch(stock):
     @functools.wraps(stock)
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         self._odc_lb_mini_plans = {}
-        roles = _roles_training_now(self)
-        if not roles:
+        stages = _stages_this_step(self)
+        if not stages:
             return stock(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
-        from odc_plugin.verl.dispatch import plan_metrics, plan_payload
+        from odc_plugin.verl.dispatch import plan_metrics, plan_payload, plan_seconds
 
         arrival = list(batch.keys)
         balanced = stock(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
@@ -207,34 +269,48 @@ def _wrap_balance_batch(stock):
         keys = arrival + [k for k in balanced.keys if k not in known]
         tag_of = dict(zip(balanced.keys, balanced.tags))
         seqlens = [int(tag_of[k]["seq_len"]) for k in keys]
-        for role, settings, worker_group, mesh, prefix in roles:
+        for stage, settings, worker_group, mesh in stages:
             plan = settings.plan(seqlens, _dp_size(worker_group, mesh))
-            self._odc_lb_mini_plans[role] = plan_payload(plan, keys)
-            metrics.update(plan_metrics(plan, seqlens, settings.cost, prefix))
+            fit = settings.current_fit
+            self._odc_lb_mini_plans[stage] = (
+                plan_payload(plan, keys),
+                fit and len(fit.speeds) == plan.dp_size and plan_seconds(plan, seqlens, fit))
+            metrics.update(plan_metrics(plan, seqlens, settings.cost, _METRICS_PREFIX[stage]))
         return balanced
 
     _balance_batch._odc_patched = True
     return _balance_batch
 
 
-def _wrap_update(stock, role: str):
+def _wrap_stage(stock, stage: str):
+    """The trainer method of `stage`, with the stage's plan in the batch's extra_info for the call; an
+    update then hands the metrics its engine reported to the stage's auto cost."""
+
     @functools.wraps(stock)
-    def _update(self, batch, metrics):
+    def _run(self, batch, metrics):
         from odc_plugin.verl.dispatch import PLAN_KEY
 
-        payload = (getattr(self, "_odc_lb_mini_plans", None) or {}).pop(role, None)
+        payload, predicted = (getattr(self, "_odc_lb_mini_plans", None) or {}).pop(stage, (None, None))
         if payload is None:
             return stock(self, batch, metrics)
         if batch.extra_info is None:
             batch.extra_info = {}
         batch.extra_info[PLAN_KEY] = payload
         try:
-            return stock(self, batch, metrics)
+            out = stock(self, batch, metrics)
         finally:
             batch.extra_info.pop(PLAN_KEY, None)
+        if stage in ("actor", "critic"):
+            observed = _stage_settings(self, stage).observe(metrics, stage)
+            measured = metrics.get(f"{stage}/odc/compute_s_max")
+            if predicted and measured:
+                # the plan's predicted time of its slowest rank over the slowest rank's measured compute
+                observed["prediction_error"] = sum(predicted) / len(predicted) / measured - 1
+            metrics.update({f"{_METRICS_PREFIX[stage]}/{k}": v for k, v in observed.items()})
+        return out
 
-    _update._odc_patched = True
-    return _update
+    _run._odc_patched = True
+    return _run
 
 
 def _trainer_class():
@@ -277,7 +353,6 @@ def apply() -> None:
         return
     if not getattr(trainer._balance_batch, "_odc_patched", False):
         trainer._balance_batch = _wrap_balance_batch(trainer._balance_batch)
-    if not getattr(trainer._update_actor, "_odc_patched", False):
-        trainer._update_actor = _wrap_update(trainer._update_actor, "actor")
-    if not getattr(trainer._update_critic, "_odc_patched", False):
-        trainer._update_critic = _wrap_update(trainer._update_critic, "critic")
+    for method, stage in _STAGES:
+        if not getattr(getattr(trainer, method), "_odc_patched", False):
+            setattr(trainer, method, _wrap_stage(getattr(trainer, method), stage))

@@ -9,6 +9,11 @@ from collections.abc import Sequence
 RankPlan = list[list[list[int]]]
 
 
+def rank_shares(plan: RankPlan) -> list[list[int]]:
+    """Per rank, the sample indices of a plan, its micro-batches flattened in order."""
+    return [[i for mb in rank for i in mb] for rank in plan]
+
+
 def check_minibatch(seqlens: Sequence[int], dp_size: int, max_token_len: int) -> list[int]:
     """Validate a balancer's inputs; returns the lengths as a list of ints."""
     if not isinstance(dp_size, numbers.Integral) or dp_size < 1:

@@ -15,8 +15,12 @@ import math
 from bisect import bisect_left
 from collections.abc import Hashable, Sequence
 
-from odc_plugin.balance.common import RankPlan, check_minibatch
+from odc_plugin.balance.common import RankPlan, check_minibatch, rank_shares
 from odc_plugin.balance.costs import CostModel, get_cost_model
+
+# The smallest predicted gain for which LB-Mini leaves a baseline split (see lb_mini): about the error of
+# a good cost model on one mini-batch's time.
+MIN_GAIN = 0.02
 
 
 def lb_mini(
@@ -25,15 +29,36 @@ def lb_mini(
     max_token_len: int,
     cost: str | CostModel = "tokens",
     group_ids: Sequence[Hashable] | None = None,
+    *,
+    rank_speed: Sequence[float] | None = None,
+    micro_batch_cost: float = 0.0,
+    baseline: RankPlan | None = None,
+    min_gain: float = MIN_GAIN,
 ) -> RankPlan:
     """Per rank, micro-batches of sample indices, largest (by cost) first.
 
     Samples sharing a group id (the GRPO responses of one prompt) stay on one rank. Every micro-batch
     holds at most max_token_len tokens; ranks may get different numbers of samples and micro-batches,
     and ranks are empty when there are fewer samples (or groups) than ranks.
+
+    What is balanced is each rank's time: its samples' cost, plus `micro_batch_cost` (in the cost's
+    unit) for each micro-batch its tokens need, over its `rank_speed` (default: all 1). So a rank half
+    as fast gets about half the work, and a sample is moved to a rank only if the micro-batch it may add
+    there pays for itself.
+
+    `baseline` is another plan (LB-Micro's equal counts): it is returned as it is unless LB-Mini's own
+    split is predicted at least `min_gain` faster. A cost model is never
+    exact, and where the equal split is already nearly balanced (few ranks, many samples) a "better"
+    split by a slightly wrong model is as likely slower; so LB-Mini moves away from a working split only
+    for a gain larger than that error.
     """
     lens = check_minibatch(seqlens, dp_size, max_token_len)
     costs = get_cost_model(cost).costs(lens)
+    speeds = [1.0] * dp_size if rank_speed is None else [float(v) for v in rank_speed]
+    if len(speeds) != dp_size or not all(v > 0 for v in speeds):
+        raise ValueError(f"rank_speed needs {dp_size} values > 0, got {rank_speed!r}")
+    if not micro_batch_cost >= 0:
+        raise ValueError(f"micro_batch_cost must be >= 0, got {micro_batch_cost}")
     if group_ids is None:
         units = [[i] for i in range(len(lens))]
     else:
@@ -44,16 +69,64 @@ def lb_mini(
             by_group.setdefault(g, []).append(i)
         units = list(by_group.values())
     weights = [sum(costs[i] for i in unit) for unit in units]
+    clock = _RankClock(weights, [sum(lens[i] for i in unit) for unit in units], speeds, micro_batch_cost,
+                       max_token_len)
     # Two starts, each refined, the better kept: differencing single units is the stronger start in general,
     # differencing sorted runs of dp_size units (what verl's equal-size partition does) the stronger when
-    # there are only a few units per rank.
-    candidates = [_refine(_largest_differencing(weights, dp_size, chunk), weights) for chunk in (1, dp_size)]
-    rank_units = min(candidates, key=lambda ranks: max(sum(weights[u] for u in r) for r in ranks))
-    plan = []
-    for unit_ids in rank_units:
-        samples = [i for u in unit_ids for i in units[u]]
-        plan.append(_pack(samples, lens, costs, max_token_len))
-    return plan
+    # there are only a few units per rank. Ranks of different speeds add a third, largest-first onto the
+    # rank that would finish it first.
+    starts = [clock.assign(_largest_differencing(weights, dp_size, chunk)) for chunk in (1, dp_size)]
+    if len(set(speeds)) > 1:
+        starts.append(clock.largest_first())
+    rank_units = min((_refine(ranks, clock) for ranks in starts), key=clock.makespan)
+    if baseline is not None:
+        shares = rank_shares(baseline)
+        if len(shares) != dp_size or sorted(i for rank in shares for i in rank) != list(range(len(lens))):
+            raise ValueError(f"the baseline plan must give each of the {len(lens)} samples to one of {dp_size} ranks")
+        kept = max(clock.time(r, sum(costs[i] for i in rank), sum(lens[i] for i in rank))
+                   for r, rank in enumerate(shares))
+        if clock.makespan(rank_units) > kept * (1 - min_gain):
+            return [[list(mb) for mb in rank] for rank in baseline]
+    return [_pack([i for u in unit_ids for i in units[u]], lens, costs, max_token_len) for unit_ids in rank_units]
+
+
+class _RankClock:
+    """How long a rank takes for a set of units: their weight plus a micro-batch cost per micro-batch its
+    tokens need at least, over its speed."""
+
+    def __init__(self, weights, tokens, speeds, micro_batch_cost, max_token_len):
+        self.weights, self.tokens, self.speeds = weights, tokens, speeds
+        self.micro_batch_cost, self.max_token_len = micro_batch_cost, max_token_len
+
+    def time(self, rank: int, weight: float, tokens: int) -> float:
+        micro_batches = -(-tokens // self.max_token_len) if tokens else 0
+        return (weight + self.micro_batch_cost * micro_batches) / self.speeds[rank]
+
+    def time_of(self, rank: int, units) -> float:
+        return self.time(rank, sum(self.weights[u] for u in units), sum(self.tokens[u] for u in units))
+
+    def makespan(self, ranks: list[list[int]]) -> float:
+        return max(self.time_of(r, units) for r, units in enumerate(ranks))
+
+    def assign(self, parts: list[list[int]]) -> list[list[int]]:
+        """Parts of a partition onto ranks: the heaviest to the fastest (as given, when speeds are equal)."""
+        by_weight = sorted(parts, key=lambda p: -sum(self.weights[u] for u in p))
+        by_speed = sorted(range(len(self.speeds)), key=lambda r: -self.speeds[r])
+        ranks: list[list[int]] = [[] for _ in self.speeds]
+        for rank, part in zip(by_speed, by_weight):
+            ranks[rank] = list(part)
+        return ranks
+
+    def largest_first(self) -> list[list[int]]:
+        ranks: list[list[int]] = [[] for _ in self.speeds]
+        weight, tokens = [0.0] * len(ranks), [0] * len(ranks)
+        for u in sorted(range(len(self.weights)), key=lambda u: (-self.weights[u], u)):
+            r = min(range(len(ranks)), key=lambda r: (self.time(r, weight[r] + self.weights[u],
+                                                                tokens[r] + self.tokens[u]), r))
+            ranks[r].append(u)
+            weight[r] += self.weights[u]
+            tokens[r] += self.tokens[u]
+        return ranks
 
 
 def _largest_differencing(weights: list[float], k: int, chunk: int) -> list[list[int]]:
@@ -99,23 +172,28 @@ def _flatten(tree) -> list[int]:
 _SUBSET_BUDGET = 512
 
 
-def _refine(ranks: list[list[int]], weights: list[float]) -> list[list[int]]:
-    """Lower the busiest rank by exchanging units with a lighter rank until no exchange helps: one unit
-    each way at most against every lighter rank, then the largest subsets the budget allows against the
-    lightest, where there is most room. Large subsets matter when ranks hold few units, and those are
-    exactly the ranks whose subsets are few."""
-    sums = [sum(weights[u] for u in r) for r in ranks]
+def _refine(ranks: list[list[int]], clock: _RankClock) -> list[list[int]]:
+    """Lower the busiest rank by exchanging units with a rank that finishes earlier until no exchange
+    helps: one unit each way at most against every such rank, then the largest subsets the budget allows
+    against the earliest, where there is most room. Large subsets matter when ranks hold few units, and
+    those are exactly the ranks whose subsets are few."""
+    weights, tokens = clock.weights, clock.tokens
+    load = [[sum(weights[u] for u in r), sum(tokens[u] for u in r)] for r in ranks]
+
+    def time(r: int) -> float:
+        return clock.time(r, *load[r])
+
     # Float costs could in principle let tiny gains go on for long; every unit moving a few times is plenty.
     for _ in range(4 * len(weights)):
-        hi = max(range(len(ranks)), key=sums.__getitem__)
-        lighter = [r for r in sorted(range(len(ranks)), key=sums.__getitem__) if sums[r] < sums[hi]]
-        searches = [(lo, 1, 1) for lo in lighter]
-        if lighter:
-            sizes = (_max_subset_size(len(ranks[hi])), _max_subset_size(len(ranks[lighter[0]])))
+        hi = max(range(len(ranks)), key=time)
+        earlier = [r for r in sorted(range(len(ranks)), key=time) if time(r) < time(hi)]
+        searches = [(lo, 1, 1) for lo in earlier]
+        if earlier:
+            sizes = (_max_subset_size(len(ranks[hi])), _max_subset_size(len(ranks[earlier[0]])))
             if sizes != (1, 1):
-                searches.append((lighter[0], *sizes))
+                searches.append((earlier[0], *sizes))
         for lo, give_size, take_size in searches:
-            exchange = _best_exchange(ranks[hi], ranks[lo], sums[hi] - sums[lo], weights, give_size, take_size)
+            exchange = _best_exchange(ranks[hi], ranks[lo], hi, lo, load, clock, give_size, take_size)
             if exchange is not None:
                 break
         else:
@@ -127,9 +205,11 @@ def _refine(ranks: list[list[int]], weights: list[float]) -> list[list[int]]:
         for u in take:
             ranks[lo].remove(u)
             ranks[hi].append(u)
-        delta = sum(weights[u] for u in give) - sum(weights[u] for u in take)
-        sums[hi] -= delta
-        sums[lo] += delta
+        for u, sign in [(u, -1) for u in give] + [(u, 1) for u in take]:
+            load[hi][0] += sign * weights[u]
+            load[hi][1] += sign * tokens[u]
+            load[lo][0] -= sign * weights[u]
+            load[lo][1] -= sign * tokens[u]
     return ranks
 
 
@@ -141,21 +221,29 @@ def _max_subset_size(n: int) -> int:
     return size
 
 
-def _best_exchange(hi: list[int], lo: list[int], gap: float, weights: list[float], give_size: int, take_size: int):
+def _best_exchange(hi_units: list[int], lo_units: list[int], hi: int, lo: int, load, clock: _RankClock,
+                   give_size: int, take_size: int):
     """Units (give from hi, take from lo), at most give_size and take_size of them and give non-empty,
-    whose weight difference d lies in (0, gap) and is closest to gap / 2: both ranks then end below
-    hi's old total."""
-    take_options = sorted(_subsets(lo, weights, take_size))
+    after which both ranks finish before hi does now, by the largest margin found. Candidates are the take
+    subsets whose weight is nearest to what would make the two ranks finish together."""
+    weights, tokens, speed = clock.weights, clock.tokens, clock.speeds
+    (w_hi, t_hi), (w_lo, t_lo) = load[hi], load[lo]
+    now = clock.time(hi, w_hi, t_hi)
+    # the weight d moved from hi to lo that equalizes the two, micro-batch costs left out
+    even = (w_hi * speed[lo] - w_lo * speed[hi]) / (speed[hi] + speed[lo])
+    take_options = sorted(_subsets(lo_units, weights, take_size))
     take_sums = [w for w, _ in take_options]
-    best, best_gain = None, 0
-    for w_give, give in _subsets(hi, weights, give_size)[1:]:
-        j = bisect_left(take_sums, w_give - gap / 2)
+    best, best_gain = None, now * 1e-12
+    for w_give, give in _subsets(hi_units, weights, give_size)[1:]:
+        j = bisect_left(take_sums, w_give - even)
         for k in (j - 1, j):
             if 0 <= k < len(take_sums):
-                d = w_give - take_sums[k]
-                gain = min(d, gap - d)
-                if gain > best_gain:
-                    best, best_gain = (give, take_options[k][1]), gain
+                w_take, take = take_options[k]
+                moved = sum(tokens[u] for u in give) - sum(tokens[u] for u in take)
+                later = max(clock.time(hi, w_hi - w_give + w_take, t_hi - moved),
+                            clock.time(lo, w_lo + w_give - w_take, t_lo + moved))
+                if now - later > best_gain:
+                    best, best_gain = (give, take), now - later
     return best
 
 

@@ -119,7 +119,7 @@ def compare_schemes(
     cost = get_cost_model(cost)
     costs = cost.costs(seqlens)
     micro = lb_micro(seqlens, dp_size, max_token_len)
-    mini = lb_mini(seqlens, dp_size, max_token_len, cost=cost)
+    mini = lb_mini(seqlens, dp_size, max_token_len, cost=cost, baseline=micro)
     return Comparison(
         times={
             "fsdp_lb_micro": simulate_minibatch(micro, costs, lockstep=True, model=model),
@@ -286,7 +286,7 @@ def compare_cluster(
     dp = nodes * cluster.gpus_per_node
     costs = cost.costs(seqlens)
     micro = lb_micro(seqlens, dp, max_token_len)
-    mini = lb_mini(seqlens, dp, max_token_len, cost=cost)
+    mini = lb_mini(seqlens, dp, max_token_len, cost=cost, baseline=micro)
     compute = StepTimeModel(throughput=throughput)
     times = {}
     for scheme, plan, lockstep in (("fsdp_hsdp", micro, True), ("odc_hsdp", mini, False), ("odc_flat", mini, False)):

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..models import MODEL_SIZES
-from .config import WORKLOADS, DemoConfig
+from .config import COSTS, WORKLOADS, DemoConfig
 from .run import run_demo
 from .sweep import case_config, run_sweep
 
@@ -49,6 +49,9 @@ def main(argv=None) -> None:
                                                  "shorter than the true ones (default 64)")
     p.add_argument("--slow-ranks", metavar="R:F[,R:F]",
                    help="rank R's layer compute takes F times as long (emulated, or measured without --emulate)")
+    p.add_argument("--cost", choices=COSTS, default="fit",
+                   help="auto: a fifth row, odc+lb_mini_auto, whose LB-Mini cost is fitted from the micro-batch "
+                        "times it measures, each rank's speed included")
     p.add_argument("--sweep-ranks", type=int, nargs="+", metavar="N",
                    help="with --emulate: run the rl and sft cases (odc_plugin/demo/sweep.py) at each rank count; "
                         "writes odc_sweep.json and odc_sweep.png")
@@ -65,7 +68,7 @@ def main(argv=None) -> None:
                           max_response_length=args.max_response_length, max_token_len=args.max_token_len,
                           seed=args.seed, out_dir=args.out_dir, emulate=args.emulate,
                           time_scale=args.time_scale or ("auto" if sweep else 1.0), stand_in=args.stand_in,
-                          slow_ranks=args.slow_ranks)
+                          slow_ranks=args.slow_ranks, cost=args.cost)
         for workload in workloads if sweep else ():  # every point is checked before the first one runs
             for n in args.sweep_ranks:
                 case_config(base, workload, n)

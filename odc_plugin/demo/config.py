@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..layer_time import parse_slow_ranks
 from ..models import MODEL_SIZES
-from .emulate import EmulationFit, parse_slow_ranks
+from .emulate import EmulationFit
 
 WORKLOADS = ("rl", "sft")
+COSTS = ("fit", "auto")
 # "auto" time scale: a rank's fair share of a mini-batch's emulated work takes about this long.
 AUTO_SHARE_S = 5.0
 # With emulation the model computes on sequences this many times shorter than the true ones.
@@ -45,6 +47,9 @@ class DemoConfig:
     stand_in: int | None = None
     # "R:F[,R:F]": rank R's layers take F times as long (emulated, or as measured without a fit)
     slow_ranks: str | None = None
+    # "fit": LB-Mini balances with the calibrated (or emulated) fit; "auto" adds a fifth row whose
+    # LB-Mini balances with the `auto` cost, fitted while it trains (rows.AUTO_ROW)
+    cost: str = "fit"
     slowdowns: list[float] = field(init=False)
 
     def __post_init__(self):
@@ -77,6 +82,8 @@ class DemoConfig:
             self.stand_in = EMULATED_STAND_IN if self.emulate else 1
         if self.stand_in < 1:
             raise ValueError(f"--stand-in must be >= 1, got {self.stand_in}")
+        if self.cost not in COSTS:
+            raise ValueError(f"--cost must be one of {', '.join(COSTS)}, got {self.cost!r}")
         slow = parse_slow_ranks(self.slow_ranks, self.ranks)
         self.slowdowns = [slow.get(r, 1.0) for r in range(self.ranks)]
 

@@ -5,20 +5,14 @@ What ODC changes is when ranks wait, not how fast a layer computes. So a rehears
 transport and barriers, the plans, gradients and the optimizer step) except the layers' arithmetic:
 every decoder layer computes on short stand-in sequences, then sleeps until the fitted time of the
 micro-batch's true sequences has passed, in forward and in backward, between FSDP's gather and
-reduce-scatter of that layer. A sleeping rank takes no core, so 32 ranks can wait at once on 2.
-
-The same hook slows a rank down on purpose (a throttled GPU, an older node): its layers then take F
-times their time, the emulated one or, without a fit, the one measured.
+reduce-scatter of that layer (odc_plugin.layer_time). A sleeping rank takes no core, so 32 ranks can
+wait at once on 2.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
-import torch.nn as nn
 
 from ..balance.costs import CostCalibration, FitCost
 
@@ -32,6 +26,7 @@ class EmulationFit:
     num_layers: int
     backward_ratio: float
     time_scale: float  # already in `cost`
+    model: str  # the preset the fit was measured for
     source: str
 
     @classmethod
@@ -45,125 +40,7 @@ class EmulationFit:
             raise ValueError(f"--time-scale must be > 0, got {time_scale}")
         scale = layers * time_scale
         return cls(FitCost(calibration.a * scale, calibration.b * scale), layers, calibration.backward_ratio,
-                   time_scale, f"{calibration.model} on {calibration.device} ({path})")
+                   time_scale, calibration.model, f"{calibration.model} on {calibration.device} ({path})")
 
     def seconds(self, lengths: Sequence[int]) -> float:
         return sum(self.cost.costs(lengths))
-
-
-def parse_slow_ranks(spec: str | None, ranks: int) -> dict[int, float]:
-    """'R:F[,R:F]' -> {rank: factor}: rank R's layers take F times as long."""
-    if not spec:
-        return {}
-    out: dict[int, float] = {}
-    for item in spec.split(","):
-        rank, sep, factor = item.strip().partition(":")
-        try:
-            if not sep:
-                raise ValueError
-            r, f = int(rank), float(factor)
-        except ValueError:
-            raise ValueError(f"--slow-ranks: {item.strip()!r} is not RANK:FACTOR (e.g. 3:1.5)") from None
-        if not 0 <= r < ranks:
-            raise ValueError(f"--slow-ranks: rank {r} is out of range for {ranks} ranks")
-        if not f > 0:
-            raise ValueError(f"--slow-ranks: factor of rank {r} must be > 0, got {factor}")
-        if r in out:
-            raise ValueError(f"--slow-ranks: rank {r} is given twice")
-        out[r] = f
-    return out
-
-
-@dataclass
-class _LayerClock:
-    """One layer call's targets: seconds for forward and backward, None to scale what was measured."""
-
-    forward_s: float | None
-    backward_s: float | None
-    slowdown: float
-    forward_start: float = 0.0
-    backward_start: float = 0.0
-
-    def sleep_rest(self, target_s: float | None, start: float) -> None:
-        elapsed = time.perf_counter() - start
-        rest = (elapsed if target_s is None else target_s) * self.slowdown - elapsed
-        if rest > 0:
-            time.sleep(rest)
-
-
-class _ForwardStarts(torch.autograd.Function):
-    """On the layer's input: marks where forward starts; its backward, the last of the layer's, waits."""
-
-    @staticmethod
-    def forward(ctx, x, clock):
-        ctx.clock = clock
-        clock.forward_start = time.perf_counter()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.clock.sleep_rest(ctx.clock.backward_s, ctx.clock.backward_start)
-        return grad, None
-
-
-class _ForwardEnds(torch.autograd.Function):
-    """On the layer's output: waits out the forward; its backward, the first of the layer's, marks the
-    start (after FSDP's pre-backward gather, which hooks the output)."""
-
-    @staticmethod
-    def forward(ctx, x, clock):
-        ctx.clock = clock
-        clock.sleep_rest(clock.forward_s, clock.forward_start)
-        # A copy, not a view: FSDP hooks the layer's output for its pre-backward gather, and warns on views.
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.clock.backward_start = time.perf_counter()
-        return grad, None
-
-
-class ComputeEmulator:
-    """Times the decoder layers it is attached to. With a fit, `micro_batch(true lengths)` before each
-    micro-batch's forward sets what each layer takes: the fit's whole-model seconds spread over the
-    model's `num_layers` layers, times `slowdown`. Without one, layers take `slowdown` times what they
-    measure. One emulator may time several models of the same depth (the demo's rows)."""
-
-    def __init__(self, fit: EmulationFit | None, slowdown: float, num_layers: int):
-        if fit is None and slowdown == 1.0:
-            raise ValueError("a ComputeEmulator needs a fit, a slowdown, or both")
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        self.fit, self.slowdown, self.num_layers = fit, slowdown, num_layers
-        self._layer_s: float | None = None
-
-    def attach(self, layers: Sequence[nn.Module]) -> None:
-        """Wrap each layer's forward (inside FSDP's hooks: the gather before, the reduce-scatter after)."""
-        if len(layers) != self.num_layers:
-            raise ValueError(f"this emulator spreads a model's time over {self.num_layers} layers, got {len(layers)}")
-        for layer in layers:
-            self._wrap(layer)
-
-    def micro_batch(self, lengths: Sequence[int]) -> None:
-        if self.fit is not None:
-            self._layer_s = self.fit.seconds(lengths) / self.num_layers
-
-    def _clock(self) -> _LayerClock:
-        if self.fit is None:
-            return _LayerClock(None, None, self.slowdown)
-        if self._layer_s is None:
-            raise RuntimeError("ComputeEmulator.micro_batch(lengths) must be called before the forward")
-        forward = self._layer_s / (1 + self.fit.backward_ratio)
-        return _LayerClock(forward, self._layer_s - forward, self.slowdown)
-
-    def _wrap(self, layer: nn.Module) -> None:
-        inner = layer.forward
-
-        def forward(hidden_states, *args, **kwargs):
-            clock = self._clock()
-            out = inner(_ForwardStarts.apply(hidden_states, clock), *args, **kwargs)
-            if isinstance(out, tuple):  # layers that return (hidden_states, ...)
-                return (_ForwardEnds.apply(out[0], clock), *out[1:])
-            return _ForwardEnds.apply(out, clock)
-
-        layer.forward = forward

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from .rows import FACTORS, ROWS
+from .rows import FACTORS
 
 # Above this many ranks the table gives the spread of idle over ranks instead of every rank's split.
 _RANKS_SPELLED_OUT = 4
@@ -32,10 +32,20 @@ def print_table(report: dict) -> None:
     if any(f != 1.0 for f in report["config"]["slowdowns"]):
         print(f"ideal (each mini-batch's work over the ranks' summed speeds): "
               f"{statistics.median(report['ideal_step_s']):.3f} s/step")
+    print("planner's error per mini-batch: " + "; ".join(
+        f"{row} " + " ".join(f"{e:+.0%}" for e in r["prediction_errors"]) for row, r in report["runs"].items()))
+    fits = [f for f in report["auto_fits"] or [] if f]
+    if fits:
+        last = fits[-1]
+        print(f"auto cost, the last fit (of {last['timings']} micro-batch timings): c {last['c']:.3g} s + "
+              f"a {last['a']:.3g} s/tok^2 + b {last['b']:.3g} s/tok; rank speeds {min(last['speeds']):.2f} to "
+              f"{max(last['speeds']):.2f} (the prior, FLOPs, planned {len(report['auto_fits']) - len(fits)} "
+              f"mini-batch(es) before it)")
     print(f"\n{'factor':<16}{'from -> to':<38}{'measured':>9}{'predicted':>11}")
     for name, (slow, fast) in FACTORS.items():
-        print(f"{name:<16}{slow + ' -> ' + fast:<38}{report['factors'][name]:>8.3f}x"
-              f"{report['predicted_factors'][name]:>10.3f}x")
+        if name in report["factors"]:
+            print(f"{name:<16}{slow + ' -> ' + fast:<38}{report['factors'][name]:>8.3f}x"
+                  f"{report['predicted_factors'][name]:>10.3f}x")
     print(f"\nheadline, ODC+LB-Mini over the lockstep baseline on the same transport: "
           f"{report['factors']['odc+lb_mini']:.3f}x (median of per-mini-batch ratios){emulated}")
     print(f"max |parameter difference| between rows after {report['config']['steps']} mini-batches: "
@@ -51,9 +61,10 @@ def plot_breakdown(report: dict, path: str) -> None:
 
     ranks, steps = report["config"]["ranks"], report["config"]["steps"]
     colors = {"compute": "tab:green", "comm": "tab:blue", "wait": "tab:red"}
-    fig, axes = plt.subplots(1, len(ROWS), figsize=(3.2 * len(ROWS), 3.6), sharey=True)
+    rows = list(report["runs"])
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.6), sharey=True)
     width = 0.8 / ranks
-    for ax, row in zip(axes, ROWS):
+    for ax, row in zip(axes, rows):
         r = report["runs"][row]
         for k in range(steps):
             for rank in range(ranks):

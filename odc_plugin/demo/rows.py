@@ -8,7 +8,10 @@
 
 Row 1 -> 2 is the transport, 2 -> 3 the removed barriers, 3 -> 4 LB-Mini. What the paper's idea buys is
 row 2 -> 4, on one transport. Every row trains its own copy of the same weights in the same processes,
-on the same samples, so final parameters must agree.
+on the same samples, so final parameters must agree. A fifth row may join them:
+
+  odc+lb_mini_auto   ODC on LB-Mini's plan with the `auto` cost: fitted while training from the
+                     micro-batch times this row measures, each rank's speed included
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ FACTORS = {  # name: (slower row, faster row)
     "lb_mini": (ROWS[2], ROWS[3]),
     "odc+lb_mini": (ROWS[1], ROWS[3]),  # the headline: the idea on one transport
 }
+AUTO_ROW = "odc+lb_mini_auto"
+FACTORS["auto"] = (ROWS[3], AUTO_ROW)  # the online fit over the static cost
 
 
-def turn_order(step: int) -> tuple[str, ...]:
+def turn_order(step: int, rows: tuple[str, ...] = ROWS) -> tuple[str, ...]:
     """The rows in the order they train mini-batch `step`: rotated every step, so each row takes each
     turn (the first of a mini-batch's rows meets the caches the last one left)."""
-    k = step % len(ROWS)
-    return ROWS[k:] + ROWS[:k]
+    k = step % len(rows)
+    return rows[k:] + rows[:k]
 
 
 def plan_of(row: str) -> str:
@@ -54,10 +59,11 @@ class Row:
     odc: OnDemandComm | None  # None: stock FSDP2
 
 
-def build_rows(build_model: Callable[[], nn.Module], transport: str, lr: float) -> dict[str, Row]:
+def build_rows(build_model: Callable[[], nn.Module], transport: str, lr: float,
+               names: tuple[str, ...] = ROWS) -> dict[str, Row]:
     """One copy of the `fully_shard`-ed model per row (collective: every rank calls it)."""
     rows = {}
-    for name in ROWS:
+    for name in names:
         model, clock = build_model(), CommClock()
         if name == "fsdp2+lb_micro":
             time_fsdp_collectives(model, clock)
@@ -83,8 +89,11 @@ def train_minibatch(row: Row, losses: list[Callable[[], torch.Tensor]], device: 
     row.clock.clear()
     if row.odc:
         row.odc.begin()
+    micro_batch_s = []  # each micro-batch's wall time, what the `auto` cost is fitted to
     for loss in losses:
+        began = time.perf_counter()
         loss().backward()
+        micro_batch_s.append(time.perf_counter() - began)
     if row.odc:
         row.odc.end()
     torch.nn.utils.clip_grad_norm_(row.model.parameters(), 1.0)
@@ -95,7 +104,25 @@ def train_minibatch(row: Row, losses: list[Callable[[], torch.Tensor]], device: 
     intervals, wait_cpu = row.clock.take(start)
     dist.barrier()
     return {"step_s": time.perf_counter() - start, "own_s": own, "intervals": intervals, "wait_cpu_s": wait_cpu,
-            "micro_batches": len(losses)}
+            "micro_batches": len(losses), "micro_batch_s": micro_batch_s}
+
+
+def infer_minibatch(row: Row, forwards: list[Callable[[], torch.Tensor]], device: str = "cpu") -> dict:
+    """One forward-only mini-batch (a log-prob or value pass): no gradient, no optimizer step."""
+    _sync_device(device)
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad():
+        if row.odc:
+            row.odc.begin(backward=False)
+        for forward in forwards:
+            forward()
+        if row.odc:
+            row.odc.end()
+    _sync_device(device)
+    own = time.perf_counter() - start
+    dist.barrier()
+    return {"step_s": time.perf_counter() - start, "own_s": own, "micro_batches": len(forwards)}
 
 
 def step_breakdown(records: list[dict]) -> list[dict]:
@@ -108,7 +135,7 @@ def factors(step_s: dict[str, list[float]]) -> dict[str, float]:
     """Each factor as the median over mini-batches of the per-mini-batch ratio (the rows alternate, so a
     mini-batch's rows ran back to back under the same machine noise)."""
     return {name: statistics.median(a / b for a, b in zip(step_s[slow], step_s[fast]))
-            for name, (slow, fast) in FACTORS.items()}
+            for name, (slow, fast) in FACTORS.items() if slow in step_s and fast in step_s}
 
 
 def final_param_diff(rows: dict[str, Row]) -> float:

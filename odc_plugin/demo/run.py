@@ -9,6 +9,7 @@ CPU first; with emulated compute (emulate.py) the GPU fit the layers' times are 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -18,15 +19,18 @@ from dataclasses import asdict
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..balance import FitCost, lb_micro, lb_mini
+from ..balance import CostModel, FitCost, FlopsCost, lb_micro, lb_mini
 from ..balance.costs import fit_quadratic
+from ..balance.online_fit import MicroBatchTime, OnlineTimeFit, lb_mini_auto
 from ..balance.planner import simulate_minibatch
 from ..launch import run_ranks
-from ..models import MODEL_SIZES, build_model, shard_qwen2
+from ..layer_time import ComputeEmulator
+from ..models import MODEL_SIZES, build_model, qwen2_config, shard_qwen2
 from .config import AUTO_SHARE_S, DemoConfig
-from .emulate import ComputeEmulator, EmulationFit
+from .emulate import EmulationFit
 from .report import plot_breakdown, print_table
-from .rows import ROWS, build_rows, factors, final_param_diff, plan_of, step_breakdown, train_minibatch, turn_order
+from .rows import (AUTO_ROW, ROWS, build_rows, factors, final_param_diff, plan_of, step_breakdown, train_minibatch,
+                   turn_order)
 from .workload import Sample, draw_minibatches, policy_loss
 
 
@@ -73,8 +77,13 @@ def emulation_fit(cfg: DemoConfig, batches: list[list[Sample]]) -> EmulationFit:
     return EmulationFit.load(cfg.emulate, AUTO_SHARE_S / share)
 
 
+def rows_of(cfg: DemoConfig) -> tuple[str, ...]:
+    return ROWS + ((AUTO_ROW,) if cfg.cost == "auto" else ())
+
+
 def plan_minibatches(cfg: DemoConfig, batches, cost: FitCost) -> dict:
-    """Per row, per mini-batch, per rank: micro-batches of sample indices."""
+    """Per row whose plans are known before training, per mini-batch, per rank: micro-batches of sample
+    indices. (The auto row's plans follow from what it measures, so its ranks make them as they go.)"""
     plans = {"lb_micro": [], "lb_mini": []}
     for batch in batches:
         totals = [s.total for s in batch]
@@ -83,13 +92,26 @@ def plan_minibatches(cfg: DemoConfig, batches, cost: FitCost) -> dict:
     return {row: plans[plan_of(row)] for row in ROWS}
 
 
+def auto_prior(cfg: DemoConfig, fit: EmulationFit | None) -> CostModel:
+    """What the auto cost starts from: the FLOPs of the model whose compute runs (or is emulated)."""
+    return FlopsCost.from_config(fit.model if fit else qwen2_config(cfg.model_size))
+
+
 def _memory_mb() -> float:
     """This process's proportional share of resident memory (shared pages split among their users)."""
     with open("/proc/self/smaps_rollup") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
 
 
-def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | None):
+def _gathered_timings(rank: int, batch, micro_batches, seconds) -> list[MicroBatchTime]:
+    """Every rank's micro-batch timings of one mini-batch (collective)."""
+    mine = [MicroBatchTime(rank, tuple(batch[i].total for i in mb), s) for mb, s in zip(micro_batches, seconds)]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [t for timings in every for t in timings]
+
+
+def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | None, prior: CostModel):
     mesh = init_device_mesh("cpu", (world,))
     vocab = MODEL_SIZES[cfg.model_size].vocab_size
     slowdown = cfg.slowdowns[rank]
@@ -102,20 +124,27 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
             emulator.attach(model.model.layers)
         return model
 
-    rows = build_rows(build, "shm", lr=1e-5)
+    names = rows_of(cfg)
+    rows = build_rows(build, "shm", lr=1e-5, names=names)
+    online = OnlineTimeFit(world)
+    plans = dict(plans, **{AUTO_ROW: []}) if AUTO_ROW in names else plans
 
     def loss(model, samples: list[Sample], response_tokens: int):
         if emulator:
             emulator.micro_batch([s.total for s in samples])
         return policy_loss(model, [s.stand_in(cfg.stand_in) for s in samples], vocab, response_tokens, world)
 
-    record = {row: [] for row in ROWS}
+    record = {row: [] for row in names}
+    auto_fits = []
     warm = [batches[0][rank % len(batches[0])]]
-    for row in ROWS:  # warm-up, untimed: one sample per rank, the first costs of every row paid here
+    for row in names:  # warm-up, untimed: one sample per rank, the first costs of every row paid here
         train_minibatch(rows[row], [lambda m=rows[row].model: loss(m, warm, world)])
     for step, batch in enumerate(batches):
         response_tokens = sum(s.stand_in(cfg.stand_in).response_len for s in batch)
-        for row in turn_order(step):
+        for row in turn_order(step, names):
+            if row == AUTO_ROW:  # the same fit on every rank, so the same plan
+                auto_fits.append(online.fit)
+                plans[row].append(lb_mini_auto([s.total for s in batch], world, cfg.max_token_len, online.fit, prior))
             micro_batches = plans[row][step][rank]
             losses = [lambda mb=mb, m=rows[row].model: loss(m, [batch[i] for i in mb], response_tokens)
                       for mb in micro_batches]
@@ -123,10 +152,13 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
             rec["samples"] = [batch[i].seed for mb in micro_batches for i in mb]
             rec["tokens"] = sum(batch[i].total for mb in micro_batches for i in mb)
             record[row].append(rec)
+            if row == AUTO_ROW:
+                online.add(_gathered_timings(rank, batch, micro_batches, rec["micro_batch_s"]))
         if rank == 0:
-            times = " | ".join(f"{row} {record[row][-1]['step_s']:.2f}s" for row in ROWS)
+            times = " | ".join(f"{row} {record[row][-1]['step_s']:.2f}s" for row in names)
             print(f"  mini-batch {step + 1}/{len(batches)}: {times}", flush=True)
-    return {"record": record, "max_param_diff": final_param_diff(rows), "memory_mb": _memory_mb()}
+    return {"record": record, "max_param_diff": final_param_diff(rows), "memory_mb": _memory_mb(),
+            "auto_plans": plans.get(AUTO_ROW), "auto_fits": [f and dataclasses.asdict(f) for f in auto_fits]}
 
 
 def predict(cfg: DemoConfig, batches, plans, cost: FitCost) -> dict[str, list[float]]:
@@ -136,7 +168,7 @@ def predict(cfg: DemoConfig, batches, plans, cost: FitCost) -> dict[str, list[fl
     return {row: [simulate_minibatch(plans[row][k], cost.costs([s.total for s in batch]),
                                      lockstep=not row.startswith("odc"), slowdown=cfg.slowdowns).seconds
                   for k, batch in enumerate(batches)]
-            for row in ROWS}
+            for row in plans}
 
 
 def ideal_step_s(cfg: DemoConfig, batches, cost: FitCost) -> list[float]:
@@ -149,7 +181,7 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, ideal, calibration)
     steps = range(cfg.steps)
     tokens = [sum(s.total for s in b) for b in batches]
     runs, step_s = {}, {}
-    for row in ROWS:
+    for row in rows_of(cfg):
         records = [[r["record"][row][k] for r in per_rank] for k in steps]
         step_s[row] = [max(rec["step_s"] for rec in recs) for recs in records]  # the slowest rank's
         parts = [step_breakdown(recs) for recs in records]  # [step][rank]
@@ -170,6 +202,7 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, ideal, calibration)
             "tokens_per_rank": [[rec["tokens"] for rec in recs] for recs in records],
             "samples_per_rank": [[rec["samples"] for rec in recs] for recs in records],
             "predicted_step_s": predicted[row],
+            "prediction_errors": [p / m - 1 for p, m in zip(predicted[row], step_s[row])],
             "prediction_error": statistics.median(p / m - 1 for p, m in zip(predicted[row], step_s[row])),
         }
     return {
@@ -181,6 +214,7 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, ideal, calibration)
         "calibration": calibration,
         "max_param_diff": max(r["max_param_diff"] for r in per_rank),
         "memory_mb": sum(r["memory_mb"] for r in per_rank),
+        "auto_fits": per_rank[0]["auto_fits"],  # the fit each auto mini-batch was planned with (None: prior)
     }
 
 
@@ -204,7 +238,9 @@ def run_demo(cfg: DemoConfig, quiet: bool = False) -> dict:
     if any(f != 1.0 for f in cfg.slowdowns):
         say(f"slow ranks: {', '.join(f'{r}: {f:g}x' for r, f in enumerate(cfg.slowdowns) if f != 1.0)}", flush=True)
     plans = plan_minibatches(cfg, batches, cost)
-    per_rank = run_ranks(rank_body, cfg.ranks, cfg, batches, plans, fit)
+    per_rank = run_ranks(rank_body, cfg.ranks, cfg, batches, plans, fit, auto_prior(cfg, fit))
+    if cfg.cost == "auto":
+        plans[AUTO_ROW] = per_rank[0]["auto_plans"]
     report = summarize(cfg, batches, per_rank, predict(cfg, batches, plans, cost), ideal_step_s(cfg, batches, cost),
                        calibration)
     os.makedirs(cfg.out_dir, exist_ok=True)

@@ -14,7 +14,6 @@ import os
 from collections.abc import Sequence
 
 from .config import DemoConfig
-from .rows import ROWS
 from .run import run_demo
 
 CASES = {
@@ -91,9 +90,10 @@ def run_sweep(base: DemoConfig, ranks: Sequence[int], workloads: Sequence[str]) 
 
 
 def print_sweep(result: dict) -> None:
-    print(f"\n{'':<10}" + "".join(f"{row:>20}" for row in ROWS) + f"{'ODC+LB-Mini/lockstep':>22}{'planner':>9}"
+    rows = list(result["points"][0]["rows"])
+    print(f"\n{'':<10}" + "".join(f"{row:>20}" for row in rows) + f"{'ODC+LB-Mini/lockstep':>22}{'planner':>9}"
           f"{'error':>8}{'memory':>9}")
-    print(f"{'':<10}" + f"{'s/step  idle':>20}" * len(ROWS) + f"{'measured':>22}")
+    print(f"{'':<10}" + f"{'s/step  idle':>20}" * len(rows) + f"{'measured':>22}")
     for p in result["points"]:
         cells = "".join(f"{r['median_step_s']:>13.3f}{r['idle_fraction']:>7.1%}" for r in p["rows"].values())
         print(f"{p['workload']:<4}{p['ranks']:>3} rk{cells}{p['headline']:>21.3f}x{p['predicted_headline']:>8.3f}x"

@@ -10,7 +10,7 @@ from verl.workers.config.engine import EngineConfig, FSDPEngineConfig
 from ..comm import TRANSPORTS
 
 BALANCERS = ("lb_mini", "lb_micro")
-COST_MODELS = ("tokens", "flops", "fit")
+COST_MODELS = ("tokens", "flops", "fit", "auto")
 
 
 @dataclass
@@ -21,7 +21,9 @@ class ODCEngineConfig(FSDPEngineConfig):
     odc_balancer: how the trainer spreads each mini-batch over ranks: lb_mini (balance each rank's total
         cost, counts may differ) or lb_micro (verl's equal counts).
     odc_cost_model: the cost of one sequence for lb_mini: tokens | flops (from the model's config) |
-        fit (odc_cost_fit_a * s^2 + odc_cost_fit_b * s, from a calibration run).
+        fit (odc_cost_fit_a * s^2 + odc_cost_fit_b * s, from a calibration run) | auto (flops until the
+        first update, then c + a*s^2 + b*s per micro-batch and each rank's speed, fitted to the
+        micro-batch times measured while training).
     odc_barrier_timeout_s: how long a rank waits for the others at the end of a mini-batch before it
         fails naming the ranks that did not arrive.
     """

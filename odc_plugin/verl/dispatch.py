@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb_mini
+from odc_plugin.balance.online_fit import TimeFit
 
 # extra_info entry the trainer sets on the batch of one update call; only the dispatch reads it.
 PLAN_KEY = "odc_lb_mini_plan"
@@ -81,6 +82,8 @@ def plan_mini_batches(
     *,
     micro_batch_size: int | None = None,
     group_ids: Sequence[Hashable] | None = None,
+    rank_speed: Sequence[float] | None = None,
+    micro_batch_cost: float = 0.0,
 ) -> MiniBatchPlan:
     """Split every mini-batch of a batch over `dp_size` ranks with LB-Mini.
 
@@ -88,7 +91,8 @@ def plan_mini_batches(
     batch sizes `max_token_len` is the per-micro-batch token budget (a sample longer than it is an error,
     as in verl); with a fixed micro-batch size pass `max_token_len=None, micro_batch_size=n`. `group_ids`
     keeps samples of one group on one rank (verl 0.9.1 does not need it: GRPO advantages are computed on
-    the driver), except where that would leave a rank empty.
+    the driver), except where that would leave a rank empty. `rank_speed` and `micro_batch_cost` go to
+    LB-Mini (the `auto` cost's fit).
     """
     lens = [int(s) for s in seqlens]
     _check_int("mini_batch_size", mini_batch_size)
@@ -130,7 +134,8 @@ def plan_mini_batches(
     for start in range(0, len(lens), mini_batch_size):
         local_lens = lens[start : start + mini_batch_size]
         local_groups = None if group_ids is None else list(group_ids[start : start + mini_batch_size])
-        ranks = lb_mini(local_lens, dp_size, budget, cost=cost_model, group_ids=local_groups)
+        ranks = lb_mini(local_lens, dp_size, budget, cost=cost_model, group_ids=local_groups, rank_speed=rank_speed,
+                        micro_batch_cost=micro_batch_cost)
         shares = [sorted(i for mb in rank for i in mb) for rank in ranks]
         _fill_empty_ranks(shares, costs[start : start + mini_batch_size])
         for r, share in enumerate(shares):
@@ -254,24 +259,63 @@ def plan_metrics(plan: MiniBatchPlan, seqlens: Sequence[int], cost: str | CostMo
     }
 
 
-@dataclass(frozen=True)
+@dataclass
 class LBMiniSettings:
-    """What the trainer needs to plan one role's updates."""
+    """What the trainer needs to plan one role's passes: the updates' mini-batches, or a forward-only pass
+    (`mini_batch_size` None: the whole batch is one mini-batch, split over ranks as one)."""
 
-    mini_batch_size: int
-    cost: CostModel
+    mini_batch_size: int | None
+    cost: CostModel  # with `auto`: the prior, until the engine has reported a fit
     max_token_len: int | None  # the engine's per-micro-batch token budget (dynamic batch size)
     micro_batch_size: int | None  # the engine's fixed micro-batch size (no dynamic batch size)
+    auto: bool = False
+    fit: TimeFit | None = None  # the auto cost's latest fit
+    fit_from: LBMiniSettings | None = None  # a forward-only pass plans with its role's training fit
+
+    @property
+    def current_fit(self) -> TimeFit | None:
+        return self.fit_from.current_fit if self.fit_from is not None else self.fit
 
     def plan(self, seqlens: Sequence[int], dp_size: int) -> MiniBatchPlan:
+        fit = self.current_fit
+        if fit is not None and len(fit.speeds) != dp_size:
+            fit = None  # fitted on another mesh (a forward-only pass on fewer ranks)
         return plan_mini_batches(
             seqlens,
-            self.mini_batch_size,
+            self.mini_batch_size or len(seqlens),
             dp_size,
             self.max_token_len,
-            self.cost,
+            fit or self.cost,
             micro_batch_size=self.micro_batch_size,
+            rank_speed=fit.speeds if fit else None,
+            micro_batch_cost=fit.c if fit else 0.0,
         )
+
+    def for_inference(self, max_token_len: int | None, micro_batch_size: int | None) -> LBMiniSettings:
+        """A forward-only pass of the same role: the whole batch at once, planned with this fit."""
+        return LBMiniSettings(None, self.cost, max_token_len, micro_batch_size, self.auto, fit_from=self)
+
+    def observe(self, metrics: dict, role: str) -> dict[str, float]:
+        """Take the auto fit the role's engine reported in the update's metrics (`<role>/odc/fit_*`,
+        `<role>/odc/rank_speed_<r>`); returns it as `odc_balance` metrics (empty without a fit)."""
+        if not self.auto or f"{role}/odc/fit_c" not in metrics:
+            return {}
+        speeds = []
+        while f"{role}/odc/rank_speed_{len(speeds)}" in metrics:
+            speeds.append(float(metrics[f"{role}/odc/rank_speed_{len(speeds)}"]))
+        self.fit = TimeFit(a=float(metrics[f"{role}/odc/fit_a"]), b=float(metrics[f"{role}/odc/fit_b"]),
+                           c=float(metrics[f"{role}/odc/fit_c"]), speeds=tuple(speeds),
+                           timings=int(metrics[f"{role}/odc/fit_timings"]))
+        return {"fit_c": self.fit.c, "fit_a": self.fit.a, "fit_b": self.fit.b,
+                "rank_speed_min": min(speeds), "rank_speed_max": max(speeds)}
+
+
+def plan_seconds(plan: MiniBatchPlan, seqlens: Sequence[int], fit: TimeFit) -> list[float]:
+    """Per mini-batch, the fit's time of its slowest rank: what LB-Mini expected the plan to take."""
+    costs = fit.costs([int(s) for s in seqlens])
+    return [max((sum(costs[p] for p in share) + fit.c * plan.micro_batches[r][i]) / fit.speeds[r]
+                for r, share in enumerate(mini_batch))
+            for i, mini_batch in enumerate(plan.shares())]
 
 
 def lb_mini_settings(
@@ -288,7 +332,8 @@ def lb_mini_settings(
     A role uses LB-Mini when its engine config's strategy is `odc` and its `odc_balancer` is `lb_mini`
     (a plain FSDPEngineConfig carrying strategy odc gets ODC's defaults, see `as_odc_config`). The cost
     model comes from `odc_cost_model`; "flops" reads the model's HF config: `model_config` is that config
-    (a transformers PretrainedConfig or a dict) or a function returning it, called only when needed.
+    (a transformers PretrainedConfig or a dict) or a function returning it, called only when needed;
+    "auto" starts from "flops" and follows the fit the engine reports (`LBMiniSettings.observe`).
     """
     if getattr(engine_config, "strategy", None) != "odc":
         return None
@@ -297,9 +342,10 @@ def lb_mini_settings(
     odc = as_odc_config(engine_config)
     if odc.odc_balancer != "lb_mini":
         return None
-    if odc.odc_cost_model == "flops":
+    auto = odc.odc_cost_model == "auto"
+    if odc.odc_cost_model in ("flops", "auto"):
         if model_config is None:
-            raise ValueError("odc_cost_model=flops needs the model's config")
+            raise ValueError(f"odc_cost_model={odc.odc_cost_model} needs the model's config")
         cost = get_cost_model("flops", model=model_config() if callable(model_config) else model_config)
     elif odc.odc_cost_model == "fit":
         cost = get_cost_model("fit", a=odc.odc_cost_fit_a, b=odc.odc_cost_fit_b)
@@ -308,10 +354,10 @@ def lb_mini_settings(
     if use_dynamic_bsz:
         if max_token_len is None:
             raise ValueError("use_dynamic_bsz needs ppo_max_token_len_per_gpu")
-        return LBMiniSettings(int(mini_batch_size), cost, int(max_token_len), None)
+        return LBMiniSettings(int(mini_batch_size), cost, int(max_token_len), None, auto)
     if micro_batch_size is None:
         raise ValueError("without use_dynamic_bsz the engine needs ppo_micro_batch_size_per_gpu")
-    return LBMiniSettings(int(mini_batch_size), cost, None, int(micro_batch_size))
+    return LBMiniSettings(int(mini_batch_size), cost, None, int(micro_batch_size), auto)
 
 
 def mini_batch_schedule(num_mini_batches: int, epochs: int, seed: int, shuffle: bool) -> list[int]:

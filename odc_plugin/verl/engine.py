@@ -8,7 +8,10 @@ log-prob / value inference alike):
 - each rank packs its own micro-batches with no cross-rank agreement on their number
   (verl's `same_micro_num_in_dp=True` is exactly the lockstep ODC removes);
 - the micro-batches run between ODC's begin() and end(), so no collective runs inside;
-- per-micro-batch metrics are folded to one value per rank, since ranks now run different counts.
+- per-micro-batch metrics are folded to one value per rank, since ranks now run different counts;
+- with `odc_cost_model=auto` every rank times its micro-batches, the ranks share the timings after the
+  mini-batch, and each keeps the same online fit (odc_plugin.balance.online_fit), reported as
+  `odc/fit_*` and `odc/rank_speed_<r>` metrics, from which the trainer plans the next mini-batches.
 
 `fsdp_size` works as under `fsdp2`: smaller than the world size it builds verl's 2-D (ddp x fsdp) mesh,
 HSDP, and ODC then gets and accumulates inside each fsdp group (one node) and all-reduces across the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -29,9 +33,11 @@ from verl.utils.metric import Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
+from ..balance.online_fit import MicroBatchTime, OnlineTimeFit
 from ..comm import make_transport
 from ..fsdp import ODCConfig, apply_odc, shard_group
 from .config import as_odc_config
+from .dispatch import COUNTS_KEY
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # verl's own modules' convention
@@ -65,6 +71,7 @@ class _ODCEngineMixin:
             module = super()._build_fsdp_module(module)
         transport = make_transport(odc_config.odc_transport, group=shard_group(module))
         self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
+        self.odc_time_fit = OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
         replicas = self.odc.mesh.num_replicas
         logger.info("odc: %s%s on %d ranks over %s%s", type(self).__name__,
                     " (forward only)" if self.engine_config.forward_only else "", transport.world_size * replicas,
@@ -74,6 +81,7 @@ class _ODCEngineMixin:
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        tu.pop(data, key=COUNTS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
         # The one collective of a mini-batch, before it starts: the loss divides by the token count of
@@ -85,8 +93,10 @@ class _ODCEngineMixin:
         micro_batches, indices = prepare_micro_batches(data=data, same_micro_num_in_dp=False)
         scaler = getattr(self, "scaler", None)
         outputs = []
+        clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
         self.odc.begin(backward=not forward_only)
         for i, micro_batch in enumerate(micro_batches):
+            clock.start(micro_batch)
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=last)
             with torch.no_grad() if forward_only else contextlib.nullcontext(), sync:
@@ -95,13 +105,29 @@ class _ODCEngineMixin:
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                     if not return_model_output:
                         meta.pop("model_output", None)  # keeping every micro-batch's logits would pile up
+            clock.stop()
             outputs.append(meta)
         stats = self.odc.end()
 
         output = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
         _one_value_per_rank(output["metrics"])
         output["metrics"].update(self._odc_metrics(stats, len(micro_batches)))
+        if clock.timed:
+            output["metrics"].update(self._refit(clock.seconds()))
         return output
+
+    def _refit(self, timings: list[tuple[tuple[int, ...], float]]) -> dict[str, list[float]]:
+        """Share this mini-batch's micro-batch timings with every rank (a collective, after the mini-batch
+        has ended) and refit the auto cost; the fit, and each rank's speed, as metrics."""
+        every: list = [None] * self.get_data_parallel_size()
+        dist.all_gather_object(every, timings, group=self.get_data_parallel_group())
+        fit = self.odc_time_fit.add(MicroBatchTime(rank, lengths, seconds)
+                                    for rank, mine in enumerate(every) for lengths, seconds in mine)
+        if fit is None:
+            return {}
+        values = {"odc/fit_c": fit.c, "odc/fit_a": fit.a, "odc/fit_b": fit.b, "odc/fit_timings": float(fit.timings)}
+        values.update({f"odc/rank_speed_{r}": v for r, v in enumerate(fit.speeds)})
+        return {key: [value] for key, value in values.items()}
 
     def _odc_metrics(self, stats, num_micro_batches: int) -> dict[str, float]:
         """Compute and barrier-wait time over ranks (a collective, after the mini-batch has ended)."""
@@ -122,6 +148,52 @@ class _ODCEngineMixin:
         }
         # lists, like the loss function's own per-micro-batch metrics, which verl's worker flattens
         return {key: [value.item()] for key, value in values.items()}
+
+
+class _MicroBatchClock:
+    """Compute seconds and sequence lengths of each micro-batch of a mini-batch: CUDA events on a GPU
+    (read once the mini-batch is over, so nothing waits for the GPU inside it), wall time on CPU."""
+
+    def __init__(self, timed: bool):
+        self.timed = timed
+        self.cuda = timed and torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._marks: list = []
+        self._lengths: list[tuple[int, ...]] = []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, micro_batch) -> None:
+        if self.timed:
+            self._lengths.append(_sequence_lengths(micro_batch))
+            self._marks.append([self._mark()])
+
+    def stop(self) -> None:
+        if self.timed:
+            self._marks[-1].append(self._mark())
+
+    def seconds(self) -> list[tuple[tuple[int, ...], float]]:
+        """(lengths, seconds) per micro-batch."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            spans = [start.elapsed_time(end) / 1000 for start, end in self._marks]
+        else:
+            spans = [end - start for start, end in self._marks]
+        return list(zip(self._lengths, spans))
+
+
+def _sequence_lengths(micro_batch) -> tuple[int, ...]:
+    """Token count of each sequence of a micro-batch (remove-padding layout, or a padded one)."""
+    input_ids = micro_batch["input_ids"]
+    if input_ids.is_nested:
+        return tuple(input_ids.offsets().diff().tolist())
+    if "attention_mask" in micro_batch.keys():
+        return tuple(micro_batch["attention_mask"].sum(-1).tolist())
+    return (input_ids.shape[-1],) * input_ids.shape[0]
 
 
 def _one_value_per_rank(metrics: dict) -> None:

@@ -124,3 +124,14 @@ def test_sft_like_draws_never_worse_than_verl():
         costs = get_cost_model("flops").costs(lens)
         eff = balance_efficiency(lb_mini(lens, 8, 32768, cost="flops"), costs)
         assert eff >= balance_efficiency(verl_rank_partition(lens, 8), costs), seed
+
+
+def test_a_baseline_split_is_kept_unless_lb_mini_predicts_a_real_gain():
+    lens = [100, 101, 102, 103]  # the equal split [0, 3] / [1, 2] is within 0.5% of perfect
+    equal = [[[0], [3]], [[2, 1]]]
+    assert lb_mini(lens, 2, 1000, baseline=equal) == equal  # kept as it is, micro-batches and all
+    skewed = [[[0, 1, 2]], [[3]]]  # 3x as much on rank 0: LB-Mini's own split wins
+    plan = lb_mini(lens, 2, 1000, baseline=skewed)
+    assert sorted(len([i for mb in rank for i in mb]) for rank in plan) == [2, 2]
+    with pytest.raises(ValueError, match="the baseline plan must give each of the 4 samples"):
+        lb_mini(lens, 2, 1000, baseline=[[[0, 1]], [[2]]])

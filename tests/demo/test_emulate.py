@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -13,10 +14,11 @@ from odc_plugin.balance import FitCost
 from odc_plugin.balance.planner import simulate_minibatch
 from odc_plugin.demo import main
 from odc_plugin.demo.config import DemoConfig
-from odc_plugin.demo.emulate import ComputeEmulator, EmulationFit, parse_slow_ranks
-from odc_plugin.demo.rows import ROWS
+from odc_plugin.demo.emulate import EmulationFit
+from odc_plugin.demo.rows import AUTO_ROW, ROWS
 from odc_plugin.demo.run import run_demo
 from odc_plugin.demo.workload import draw_minibatches
+from odc_plugin.layer_time import ComputeEmulator, parse_slow_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 FIT_FILE = str(ROOT / "configs" / "cost_fit" / "Qwen2.5-7B-H100.json")
@@ -33,7 +35,8 @@ def _timed_pass(layer, x):
 
 def test_an_emulated_layer_takes_its_fitted_forward_and_backward_time():
     # 2 layers sharing 0.6 s per micro-batch: each 0.3 s, 0.1 s forward and 0.2 s backward
-    fit = EmulationFit(FitCost(0.0, 0.6 / 1000), num_layers=1, backward_ratio=2.0, time_scale=1.0, source="test")
+    fit = EmulationFit(FitCost(0.0, 0.6 / 1000), num_layers=1, backward_ratio=2.0, time_scale=1.0, model="test",
+                       source="test")
     emulator = ComputeEmulator(fit, 1.0, num_layers=2)
     layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
     emulator.attach(layers)
@@ -86,6 +89,23 @@ def test_an_8_rank_emulated_run_trains_every_sample_once_per_row_to_the_same_par
     with open(tmp_path / "odc_demo.json") as f:
         assert json.load(f)["factors"] == report["factors"]
     assert list(report["runs"]) == list(ROWS)
+
+
+def test_the_auto_row_starts_from_flops_then_gives_a_slow_rank_less_work(tmp_path):
+    cfg = DemoConfig(ranks=4, steps=3, workload="rl", mini_batch_size=8, max_prompt_length=512,
+                     max_response_length=16384, max_token_len=16896, emulate=FIT_FILE, time_scale=0.05,
+                     slow_ranks="1:2", cost="auto", out_dir=str(tmp_path))
+    report = run_demo(cfg, quiet=True)
+    auto = report["runs"][AUTO_ROW]
+    assert report["auto_fits"][0] is None  # no timings yet: the FLOPs prior planned the first mini-batch
+    last = report["auto_fits"][-1]
+    assert last["speeds"][1] == pytest.approx(0.5, rel=0.10)  # the emulated 2x slowdown, found
+    for k in (1, 2):
+        tokens = auto["tokens_per_rank"][k]
+        assert tokens[1] < 0.75 * statistics.fmean(tokens[r] for r in (0, 2, 3)), tokens
+    for k, batch in enumerate(draw_minibatches(cfg)):
+        assert sorted(seed for rank in auto["samples_per_rank"][k] for seed in rank) == sorted(s.seed for s in batch)
+    assert report["max_param_diff"] < 1e-5 and "auto" in report["factors"]
 
 
 def test_a_sweep_point_writes_its_json_and_picture(tmp_path, capsys):

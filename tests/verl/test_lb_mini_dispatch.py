@@ -231,10 +231,11 @@ class _WorkerGroup:
     def __init__(self, mesh):
         self._dispatch_info = {mesh: [0, 1]}
         self.sent = []
+        self.reports = {}  # further metrics the engines report (e.g. the auto cost's fit)
 
     def _receive(self, batch):
         self.sent.append((dict(batch.extra_info), split_by_plan(batch, 2) if PLAN_KEY in batch.extra_info else None))
-        return {"metrics": {"mfu": [0.5], "loss": [1.0]}}
+        return {"metrics": {"mfu": [0.5], "loss": [1.0], **self.reports}}
 
     def update_actor(self, batch):
         return self._receive(batch)
@@ -274,6 +275,8 @@ def _trainer(tmp_path, *overrides):
     trainer.config = config
     trainer.global_steps = 1
     trainer.use_critic = True
+    trainer.use_reference_policy = False
+    trainer.ref_in_actor = False
     trainer.tokenizer = types.SimpleNamespace(eos_token_id=2)
     trainer.actor_rollout_wg = _WorkerGroup("actor")
     trainer.critic_wg = _WorkerGroup("train")
@@ -298,7 +301,12 @@ def test_trainer_plans_lb_mini_updates_for_odc(tmp_path):
     stock = PPOTrainer._balance_batch.__wrapped__(trainer, _kv_batch(LENS), metrics=stock_metrics)
     assert balanced.keys == stock.keys and {k: metrics[k] for k in stock_metrics} == stock_metrics
 
-    plans = dict(trainer._odc_lb_mini_plans)  # the updates consume them
+    plans = {stage: payload for stage, (payload, _) in trainer._odc_lb_mini_plans.items()}  # the stages consume them
+    # the forward-only passes too: the whole batch as one mini-batch, a sample or more on every rank
+    assert set(plans) == {"actor", "critic", "old_log_prob", "values"}
+    for stage in ("old_log_prob", "values"):
+        assert plans[stage]["mini_batch_size"] == len(LENS) and min(min(c) for c in plans[stage]["counts"]) >= 1
+        assert sorted(k for keys in plans[stage]["keys"] for k in keys) == sorted(arrival)
     for role, mini in (("actor", 6), ("critic", 12)):
         payload = plans[role]
         assert payload["mini_batch_size"] == mini
@@ -324,8 +332,42 @@ def test_trainer_plans_lb_mini_updates_for_odc(tmp_path):
         assert extra[PLAN_KEY] == plans[role] and extra["mini_batch_size"] == plans[role]["mini_batch_size"]
         assert [p.extra_info[COUNTS_KEY] for p in pieces] == plans[role]["counts"]
         assert [p.keys for p in pieces] == plans[role]["keys"]
-    assert PLAN_KEY not in balanced.extra_info and trainer._odc_lb_mini_plans == {}
+    assert PLAN_KEY not in balanced.extra_info and set(trainer._odc_lb_mini_plans) == {"old_log_prob", "values"}
     assert metrics["perf/mfu/actor"] == 0.5 and metrics["perf/mfu/critic"] == 0.5
+
+
+AUTO = ["actor_rollout_ref.actor.strategy=odc",
+        "actor_rollout_ref.actor.fsdp_config._target_=odc_plugin.verl.config.ODCEngineConfig",
+        "actor_rollout_ref.actor.fsdp_config.strategy=odc", "+actor_rollout_ref.actor.fsdp_config.odc_cost_model=auto",
+        "critic.strategy=fsdp2"]
+
+
+@needs_tq
+def test_auto_cost_plans_as_flops_until_the_engine_reports_a_fit_then_follows_it(tmp_path):
+    trainer = _trainer(tmp_path, *AUTO)
+    balanced = trainer._balance_batch(_kv_batch(LENS), metrics={})
+    first, predicted = trainer._odc_lb_mini_plans["actor"]
+    flops = _trainer(tmp_path / "flops", "actor_rollout_ref.actor.strategy=odc", "critic.strategy=fsdp2")
+    flops._balance_batch(_kv_batch(LENS), metrics={})
+    assert first == flops._odc_lb_mini_plans["actor"][0] and not predicted  # no timings yet: the flops plan
+
+    # the actor's engine reports a fit in which rank 1 runs at half speed
+    trainer.actor_rollout_wg.reports = {"odc/fit_c": [0.01], "odc/fit_a": [0.0], "odc/fit_b": [1e-3],
+                                        "odc/fit_timings": [40.0], "odc/rank_speed_0": [1.0],
+                                        "odc/rank_speed_1": [0.5], "odc/compute_s_max": [0.1]}
+    metrics = {}
+    trainer._update_actor(balanced, metrics)
+    assert (metrics["odc_balance/fit_c"], metrics["odc_balance/fit_b"]) == (0.01, 1e-3)
+    assert (metrics["odc_balance/rank_speed_min"], metrics["odc_balance/rank_speed_max"]) == (0.5, 1.0)
+
+    trainer._balance_batch(_kv_batch(LENS), metrics={})
+    plan, predicted = trainer._odc_lb_mini_plans["actor"]
+    tokens = {k: s for k, s in zip(_kv_batch(LENS).keys, LENS)}
+    per_rank = [sum(tokens[k] for k in keys) for keys in plan["keys"]]
+    assert per_rank[1] < per_rank[0]  # the slow rank gets less
+    assert len(predicted) == 2 and all(p > 0 for p in predicted)
+    trainer._update_actor(balanced, metrics)
+    assert metrics["odc_balance/prediction_error"] == pytest.approx(sum(predicted) / 2 / 0.1 - 1)
 
 
 @needs_tq

@@ -1,7 +1,8 @@
 """verl backend `odc` against verl's own `fsdp2` engine on 2 CPU gloo ranks (tests/verl/harness.py).
 
 One 2-rank run builds, for each strategy, an actor, a forward-only reference model and a critic, and:
-  * compares log-probs, reference log-probs and values;
+  * compares log-probs, reference log-probs and values, and under `odc` also on an uneven split (the
+    share a forward-only LB-Mini plan gives each rank) against `fsdp2`'s even one, sample by sample;
   * updates the actor once: `fsdp2` with verl's even split, `odc` with an uneven split (3 vs 5
     samples, so the ranks run different micro-batch counts); the updates must agree;
   * updates the critic once through verl's own train_mini_batch, under both strategies;
@@ -38,6 +39,8 @@ def _body(rank, world_size, model_dir, ckpt_dir):
         actor = H.build_engine("language_model", strategy, model_dir, **SGD)
         res["engine"] = type(actor.engine).__name__
         res["log_probs"] = H.compute_log_probs(actor, even)
+        if strategy == "odc":
+            res["uneven_log_probs"] = H.compute_log_probs(actor, uneven)
         res["exported_before"] = H.exported_weights(actor)
         calls = H.count_micro_batches(actor)
         if strategy == "odc":
@@ -53,10 +56,14 @@ def _body(rank, world_size, model_dir, ckpt_dir):
         ref = H.build_engine("language_model", strategy, model_dir, forward_only=True,
                              max_token_len_per_gpu=MAX_TOKENS)
         res["ref_log_probs"] = H.compute_log_probs(ref, even)
+        if strategy == "odc":
+            res["uneven_ref_log_probs"] = H.compute_log_probs(ref, uneven)
         del ref
 
         critic = H.build_engine("value_model", strategy, model_dir, **SGD)
         res["values"] = H.compute_values(critic, even)
+        if strategy == "odc":
+            res["uneven_values"] = H.compute_values(critic, uneven)
         # the critic goes through verl's own train_mini_batch on verl's even split, under both strategies
         H.critic_update(critic, even)
         res["critic_after"] = H.full_state_dict(critic)
@@ -110,6 +117,16 @@ def test_log_probs_ref_log_probs_and_values_equal_fsdp2(runs):
         for key in ("log_probs", "ref_log_probs", "values"):
             for got, expected in zip(r["odc"][key], r["fsdp2"][key], strict=True):
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_forward_only_passes_on_uneven_shares_equal_fsdp2_sample_by_sample(runs):
+    for key in ("log_probs", "ref_log_probs", "values"):
+        expected = {i: t for rank, r in enumerate(runs)
+                    for i, t in zip(H.shard_for_rank(range(BATCH), rank, WORLD), r["fsdp2"][key], strict=True)}
+        got = {i: t for rank, r in enumerate(runs) for i, t in zip(UNEVEN[rank], r["odc"][f"uneven_{key}"], strict=True)}
+        assert sorted(got) == sorted(expected) == list(range(BATCH))
+        for i in range(BATCH):
+            torch.testing.assert_close(got[i], expected[i], rtol=1e-5, atol=1e-6, msg=f"{key}, sample {i}")
 
 
 def test_exported_weights_equal_fsdp2(runs):

@@ -13,6 +13,8 @@ import logging
 import os
 
 PLATFORM_ENV = "VERL_PLATFORM"
+# "R:F[,R:F]": training rank R's layers take F times as long (patches/cpu_slow_rank.py, odc-grpo-cpu --slow-ranks)
+SLOW_RANKS_ENV = "ODC_SLOW_RANKS"
 ROLLOUT_NAME = "hf"
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 once with `strategy=fsdp2` and once with `strategy=odc`, same seed, data and settings, then the A/B
 report of the two runs.
 
-    odc-grpo-cpu [--steps N] [--out DIR] [key=value ...]
+    odc-grpo-cpu [--steps N] [--out DIR] [--slow-ranks R:F] [key=value ...]
 
 Each `key=value` goes to both runs as a hydra override (e.g. actor_rollout_ref.actor.use_dynamic_bsz=False);
 both runs' configurations are composed and validated by verl before either starts. Rollouts come from
@@ -27,7 +27,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import PLATFORM_ENV
+from ...layer_time import parse_slow_ranks
+from . import PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import Assets, ensure_assets
 
 STRATEGIES = ("fsdp2", "odc")
@@ -109,12 +110,14 @@ def strategy_args(strategy: str) -> list[str]:
     return [f"{key}={strategy}" for key in STRATEGY_KEYS]
 
 
-def run_args(shared: list[str], strategy: str, overrides: list[str], metrics_file: str) -> list[str]:
+def run_args(shared: list[str], strategy: str, overrides: list[str], metrics_file: str,
+             slow_ranks: str | None = None) -> list[str]:
     # hydra's own files (config dump, job log) next to the run's, not in the caller's directory
     hydra_dir = os.path.join(os.path.dirname(metrics_file), f"hydra-{strategy}")
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    slow = [f"{env}.{SLOW_RANKS_ENV}='{slow_ranks}'"] if slow_ranks else []
     return [*shared, *strategy_args(strategy), f"trainer.experiment_name={strategy}", f"hydra.run.dir={hydra_dir}",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_file}",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.{PLATFORM_ENV}=cpu", *overrides]
+            f"{env}.VERL_FILE_LOGGER_PATH={metrics_file}", f"{env}.{PLATFORM_ENV}=cpu", *slow, *overrides]
 
 
 class ConfigRejected(ValueError):
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
                         help="which runs, in order (default: fsdp2 odc)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is killed")
+    parser.add_argument("--slow-ranks", metavar="R:F[,R:F]",
+                        help="training rank R's layers take F times as long, in both runs (a slow GPU on purpose)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for both runs")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -295,13 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         parser.error(f"overrides are key=value, got {bad[0]!r}")
+    try:
+        parse_slow_ranks(args.slow_ranks, args.ranks)
+    except ValueError as e:
+        parser.error(str(e))
 
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     os.environ[PLATFORM_ENV] = "cpu"  # for the configuration checks below, as in the runs
     assets = ensure_assets()
     shared = settings(assets, args.ranks, args.steps, out_dir)
-    plan = {s: run_args(shared, s, args.overrides, os.path.join(out_dir, f"{s}.jsonl")) for s in args.strategies}
+    plan = {s: run_args(shared, s, args.overrides, os.path.join(out_dir, f"{s}.jsonl"), args.slow_ranks)
+            for s in args.strategies}
     try:
         for strategy, run in plan.items():
             validate(run, strategy)
