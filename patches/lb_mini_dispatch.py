@@ -216,9 +216,8 @@ def _stage_settings(trainer, stage: str):
         settings = own and (actor or own).for_inference(own.max_token_len, own.micro_batch_size)
     elif stage == "values":
         critic = _stage_settings(trainer, "critic")
-        settings = critic and critic.for_inference(
-            config.critic.ppo_infer_max_token_len_per_gpu if critic.max_token_len else None,
-            None if critic.max_token_len else critic.micro_batch_size)
+        # verl gives the critic's engine one budget for both (trainer_base.py:266-268)
+        settings = critic and critic.for_inference(critic.max_token_len, critic.micro_batch_size)
     cache[stage] = settings
     return settings
 

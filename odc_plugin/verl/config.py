@@ -31,7 +31,7 @@ class ODCEngineConfig(FSDPEngineConfig):
     strategy: str = "odc"
     odc_transport: str = "auto"
     odc_balancer: str = "lb_mini"
-    odc_cost_model: str = "flops"
+    odc_cost_model: str = "auto"
     odc_cost_fit_a: float = 0.0
     odc_cost_fit_b: float = 1.0
     odc_barrier_timeout_s: float = 600.0

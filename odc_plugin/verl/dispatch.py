@@ -25,7 +25,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb_mini
+from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb_mini, verl_rank_partition
+from odc_plugin.balance.lb_mini import MIN_GAIN
 from odc_plugin.balance.online_fit import TimeFit
 
 # extra_info entry the trainer sets on the batch of one update call; only the dispatch reads it.
@@ -84,6 +85,7 @@ def plan_mini_batches(
     group_ids: Sequence[Hashable] | None = None,
     rank_speed: Sequence[float] | None = None,
     micro_batch_cost: float = 0.0,
+    min_gain: float = MIN_GAIN,
 ) -> MiniBatchPlan:
     """Split every mini-batch of a batch over `dp_size` ranks with LB-Mini.
 
@@ -92,7 +94,8 @@ def plan_mini_batches(
     as in verl); with a fixed micro-batch size pass `max_token_len=None, micro_batch_size=n`. `group_ids`
     keeps samples of one group on one rank (verl 0.9.1 does not need it: GRPO advantages are computed on
     the driver), except where that would leave a rank empty. `rank_speed` and `micro_batch_cost` go to
-    LB-Mini (the `auto` cost's fit).
+    LB-Mini (the `auto` cost's fit), and so does `min_gain`, the smallest predicted gain for which LB-Mini
+    leaves verl's equal split (see lb_mini).
     """
     lens = [int(s) for s in seqlens]
     _check_int("mini_batch_size", mini_batch_size)
@@ -134,8 +137,11 @@ def plan_mini_batches(
     for start in range(0, len(lens), mini_batch_size):
         local_lens = lens[start : start + mini_batch_size]
         local_groups = None if group_ids is None else list(group_ids[start : start + mini_batch_size])
+        # verl's own equal-count split of this mini-batch (LB-Micro) stays unless LB-Mini predicts a real gain
+        equal = ([[share] for share in verl_rank_partition(local_lens, dp_size)]
+                 if local_groups is None and mini_batch_size % dp_size == 0 else None)
         ranks = lb_mini(local_lens, dp_size, budget, cost=cost_model, group_ids=local_groups, rank_speed=rank_speed,
-                        micro_batch_cost=micro_batch_cost)
+                        micro_batch_cost=micro_batch_cost, baseline=equal, min_gain=min_gain)
         shares = [sorted(i for mb in rank for i in mb) for rank in ranks]
         _fill_empty_ranks(shares, costs[start : start + mini_batch_size])
         for r, share in enumerate(shares):
@@ -289,6 +295,7 @@ class LBMiniSettings:
             micro_batch_size=self.micro_batch_size,
             rank_speed=fit.speeds if fit else None,
             micro_batch_cost=fit.c if fit else 0.0,
+            min_gain=fit.min_gain if fit else MIN_GAIN,
         )
 
     def for_inference(self, max_token_len: int | None, micro_batch_size: int | None) -> LBMiniSettings:
@@ -305,8 +312,9 @@ class LBMiniSettings:
             speeds.append(float(metrics[f"{role}/odc/rank_speed_{len(speeds)}"]))
         self.fit = TimeFit(a=float(metrics[f"{role}/odc/fit_a"]), b=float(metrics[f"{role}/odc/fit_b"]),
                            c=float(metrics[f"{role}/odc/fit_c"]), speeds=tuple(speeds),
-                           timings=int(metrics[f"{role}/odc/fit_timings"]))
-        return {"fit_c": self.fit.c, "fit_a": self.fit.a, "fit_b": self.fit.b,
+                           timings=int(metrics[f"{role}/odc/fit_timings"]),
+                           error=float(metrics.get(f"{role}/odc/fit_error", 0.0)))
+        return {"fit_c": self.fit.c, "fit_a": self.fit.a, "fit_b": self.fit.b, "fit_error": self.fit.error,
                 "rank_speed_min": min(speeds), "rank_speed_max": max(speeds)}
 
 

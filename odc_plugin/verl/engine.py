@@ -125,7 +125,8 @@ class _ODCEngineMixin:
                                     for rank, mine in enumerate(every) for lengths, seconds in mine)
         if fit is None:
             return {}
-        values = {"odc/fit_c": fit.c, "odc/fit_a": fit.a, "odc/fit_b": fit.b, "odc/fit_timings": float(fit.timings)}
+        values = {"odc/fit_c": fit.c, "odc/fit_a": fit.a, "odc/fit_b": fit.b, "odc/fit_timings": float(fit.timings),
+                  "odc/fit_error": fit.error}
         values.update({f"odc/rank_speed_{r}": v for r, v in enumerate(fit.speeds)})
         return {key: [value] for key, value in values.items()}
 

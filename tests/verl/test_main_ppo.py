@@ -129,6 +129,14 @@ def test_odc_run_logs_odc_metrics_and_uneven_shares(grpo_cli):
     uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] != m["odc_balance/samples_max"]
               or m["actor/odc/micro_batches_min"] != m["actor/odc/micro_batches_max"]]
     assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
+    # the auto cost (the default): a fit after every update, its prediction checked from the second step
+    # on, where the plans used it; the forward-only passes planned too
+    for step, metrics in odc.items():
+        for key in ("fit_c", "fit_a", "fit_b", "rank_speed_min", "rank_speed_max", "old_log_prob/efficiency",
+                    "ref_log_prob/efficiency"):
+            assert f"odc_balance/{key}" in metrics, (step, key)
+        assert ("odc_balance/prediction_error" in metrics) == (step > 1), step
+        assert 0.5 < metrics["odc_balance/rank_speed_min"] <= metrics["odc_balance/rank_speed_max"] < 2
 
 
 def test_step_one_equals_fsdp2(grpo_cli):
@@ -155,6 +163,15 @@ def test_kl_loss_runs_with_the_reference_model_as_an_odc_engine(grpo_cli):
     assert "odc: ODCEngineWithLMHead (forward only) on 2 ranks over ShmTransport" in logs["odc"]
     assert "odc: ODCEngineWithLMHead on 2 ranks over ShmTransport" in logs["odc"]
     assert "odc: ODCEngine" not in logs["fsdp2"]
+
+
+@pytest.mark.parametrize("spec,message", [("2:1.5", "--slow-ranks: rank 2 is out of range for 2 ranks"),
+                                          ("1", "--slow-ranks: '1' is not RANK:FACTOR")])
+def test_cli_refuses_a_bad_slow_rank(tmp_path, capsys, spec, message):
+    with pytest.raises(SystemExit):
+        grpo.main(["--out", str(tmp_path), "--slow-ranks", spec])
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("*.log"))
 
 
 def test_cli_refuses_a_bad_override_before_any_training(tmp_path, capsys):
