@@ -12,6 +12,7 @@ late arrival fails instead of passing a barrier its peers gave up on.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -20,6 +21,17 @@ import torch.distributed as dist
 from .base import ODCTimeoutError
 
 _PASSED = "ok"
+
+
+def job_store() -> dist.Store:
+    """The job's key-value store: a new client of the TCPStore at MASTER_ADDR:MASTER_PORT, which
+    init_process_group's env:// rendezvous (verl's, torchrun's, run_ranks') connected to, through public
+    API. torch has no public accessor for the store a process group was built on, so a job rendezvoused
+    otherwise (tcp://, file://) gets that store through the private one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=300), wait_for_workers=False)
+    return dist.distributed_c10d._get_default_store()
 
 
 class StoreBarrier:
@@ -32,8 +44,7 @@ class StoreBarrier:
         if rank not in ranks:
             raise ValueError(f"rank {rank} is not one of the barrier's ranks {list(ranks)}")
         self.ranks, self.rank = list(ranks), rank
-        # torch has no public accessor for the store that init_process_group connected to.
-        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = store if store is not None else job_store()
         self.prefix = f"odc-barrier/{name}"
         self._epoch = 0
 

@@ -76,6 +76,13 @@ def grad_slots(group) -> list[ParamSlot]:
     return slots
 
 
+def reshards_to_a_smaller_group(modules_and_groups: list[tuple[FSDPModule, list]]) -> bool:
+    """Whether any group was built with `reshard_after_forward` as an int: after forward its parameters
+    are resharded over a smaller group than the one they live on, and backward gathers them from there."""
+    return any(group.post_forward_mesh_info not in (None, group.mesh_info)
+               for _, groups in modules_and_groups for group in groups)
+
+
 def reset_to_idle(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
     """Put every FSDP module (as `fsdp_modules_and_groups` lists them) in the state stock FSDP2 is in
     after a backward.

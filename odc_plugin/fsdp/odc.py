@@ -102,6 +102,10 @@ class OnDemandComm:
         self._begin_time = 0.0
 
         self._modules_and_groups = modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
+        if fsdp_internals.reshards_to_a_smaller_group(modules_and_groups):
+            # Backward would gather from the smaller group's post-forward shards, which no owner publishes.
+            raise ValueError("reshard_after_forward as an int is not supported with ODC (gets read the shards "
+                             "every rank publishes); pass fully_shard reshard_after_forward=True or False")
         self.mesh = data_parallel_mesh(model)
         shard = self.mesh.shard_group
         if (self.world_size, self.rank) != (dist.get_world_size(shard), dist.get_rank(shard)):

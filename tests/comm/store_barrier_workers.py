@@ -24,4 +24,4 @@ def rounds_then_late_rank(rank, world_size, rounds, late):
         outcome = str(e)
     if rank == 0:
         time.sleep(3.0)  # rank 0 hosts the store: it stays until the late rank has read the outcome
-    return outcome
+    return outcome, type(barrier.store).__name__

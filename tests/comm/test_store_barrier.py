@@ -8,7 +8,8 @@ from . import store_barrier_workers
 
 
 def test_missing_rank_is_named_and_a_late_arrival_fails_too():
-    results = run_ranks(store_barrier_workers.rounds_then_late_rank, 3, 5, 2)
+    results, stores = zip(*run_ranks(store_barrier_workers.rounds_then_late_rank, 3, 5, 2))
+    assert set(stores) == {"TCPStore"}  # a client of the job's store at MASTER_ADDR, by public API
     decided = "ODC barrier #6 timed out after 1s; rank(s) [2] did not arrive"
     # whichever rank gave up first decided the outcome; every rank reports that same decision
     deciders = [r for r in (0, 1) if results[r] == f"rank {r}: {decided}"]

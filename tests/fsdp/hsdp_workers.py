@@ -102,3 +102,31 @@ def die_mid_minibatch(rank, world_size, seqs, plan, victim, timeout_s):
     model = hsdp_model()
     odc = apply_odc(model, make_transport("shm", group=shard_group(model)), ODCConfig(barrier_timeout_s=timeout_s))
     return train_until_victim_dies(model, odc, rank, world_size, seqs, plan, victim)
+
+
+def grads_outside_minibatch(rank, world_size, seqs, plan, use_odc):
+    """Gradients of one plain backward pass per micro-batch of plan[rank], with no ODC mini-batch around
+    them (an evaluation loss, a debugging backward): stock HSDP's, or ODC's collective fallback."""
+    model = hsdp_model()
+    if use_odc:
+        apply_odc(model, make_transport("shm", group=shard_group(model)), ODCConfig(barrier_timeout_s=60))
+    global_tokens = count_targets(seqs)
+    for mb in plan[rank]:
+        token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def int_reshard_refused(rank, world_size):
+    """apply_odc on a model built with reshard_after_forward=2 (of 4 ranks): the error it raises."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_qwen2("tiny", seed=0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh)
+    try:
+        apply_odc(model, make_transport("shm"))
+    except ValueError as e:
+        return str(e)
+    return "accepted"

@@ -100,3 +100,19 @@ def test_rank_killed_in_one_node_fails_every_rank_of_both_naming_it():
                          message), message
     print(f"every survivor failed naming rank 3; run took {elapsed:.1f}s")
     assert elapsed < 60
+
+
+def test_a_backward_outside_a_minibatch_equals_stock_hsdp():
+    seqs = workers.make_sequences(8, seed=10)
+    plan = random_plan(len(seqs), [2] * WORLD, seed=10)  # collective, as in stock FSDP2: equal counts
+    stock = run_ranks(hsdp_workers.grads_outside_minibatch, WORLD, seqs, plan, False)
+    odc = run_ranks(hsdp_workers.grads_outside_minibatch, WORLD, seqs, plan, True)
+    for rank in range(WORLD):
+        assert stock[rank].keys() == odc[rank].keys() and stock[rank]
+        for name, grad in stock[rank].items():
+            torch.testing.assert_close(odc[rank][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_reshard_after_forward_as_an_int_is_refused_at_apply_odc():
+    for message in run_ranks(hsdp_workers.int_reshard_refused, WORLD):
+        assert message.startswith("reshard_after_forward as an int is not supported with ODC"), message

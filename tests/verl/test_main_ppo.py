@@ -261,12 +261,18 @@ def test_resume_a_checkpoint_under_the_other_strategy(ppo, saved_by, resumed_by)
 # ---------------------------------------------------------------------------------------------
 
 
-def test_invalid_odc_option_fails_at_start_up(out, assets):
-    run = train(out, assets, "bad-option", "odc", 1,
-                [*ODC_OPTIONS, "actor_rollout_ref.actor.fsdp_config.odc_transport=tcp"], timeout_s=300)
+@pytest.mark.parametrize("setting,error", [
+    # refused by the config class, in the driver
+    ("odc_transport=tcp", "ValueError(\"odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'\")"),
+    # refused by the engine as it starts, in a training worker, with other processes' warnings after it
+    ("fsdp_size=1", "ValueError: fsdp_size=1 must divide the world size 2 and be at least 2 with strategy odc "
+                    "(ranks per node for HSDP; -1 shards over all ranks)"),
+], ids=["config", "engine-start"])
+def test_invalid_odc_option_fails_at_start_up_summarized_by_its_exception(out, assets, setting, error):
+    run = train(out, assets, f"bad-option-{setting.split('=')[0]}", "odc", 1,
+                [*ODC_OPTIONS, f"actor_rollout_ref.actor.fsdp_config.{setting}"], timeout_s=300)
     assert run.result.returncode != 0
-    error = grpo.last_error(run.result.log_file)
-    assert "odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'" in error
+    assert grpo.last_error(run.result.log_file).endswith(error)
     assert run.result.steps == 0 and not run.metrics
     assert not grpo.ray_processes(run.result.ray_dir)
 

@@ -272,11 +272,24 @@ def run_trainer(strategy: str, args: list[str], out_dir: str, steps: int, timeou
     return RunResult(strategy, returncode, wall, watch.peak_pss / 2**30, done, log_file, metrics_file, ray_dir)
 
 
+# A line that states an exception: its class name (dotted or not) first, then ":" or "(" or nothing
+# ("ValueError: ...", "ray.exceptions.ActorDiedError: ...", "ValueError(...)"); not a warning that
+# mentions one ("UserWarning: ... ModuleNotFoundError(...)").
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?:\(.*\))?(?:[:(].*)?$")
+# Ray prefixes a worker's output with its name and pid: "(TaskRunner pid=123) ", "(WorkerDict pid=4, ip=...) ".
+_RAY_PREFIX = re.compile(r"^\([^()]*pid=\d+[^()]*\)\s*")
+
+
 def last_error(log_file: str) -> str:
-    """The last line of a failed run's output that names an error."""
+    """The exception that ended a failed run, as its own line states it: the last line of the run's
+    output that starts with an exception's name (warnings printed after it are passed over); else the
+    last line naming an error; else the last line."""
     with open(log_file, encoding="utf-8", errors="replace") as fp:
-        lines = [line.strip() for line in fp if line.strip()]
-    errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line)]
+        lines = [_RAY_PREFIX.sub("", line.strip()) for line in fp if line.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line) and "Warning" not in line]
     return (errors or lines or ["(no output)"])[-1]
 
 
