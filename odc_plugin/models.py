@@ -77,6 +77,28 @@ def build_qwen2(size: str | ModelSize = "tiny", seed: int = 0, tie_word_embeddin
     return model.float()
 
 
+# A mixture-of-experts layer: 5 experts (a count 2 and 4 ranks do not divide: FSDP pads the stacked experts'
+# dim 0), two of them per token.
+TINY_MOE = {"moe_intermediate_size": 14, "num_experts": 5, "num_experts_per_tok": 2, "norm_topk_prob": True}
+
+
+def build_qwen3_moe(seed: int = 0, **overrides) -> nn.Module:
+    """A tiny Qwen3-MoE (tiny's shape, every MLP a mixture of experts, in whatever expert layout the
+    installed transformers builds), router and experts initialised at random."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    _register_packed_attention()
+    size = MODEL_SIZES["tiny"]
+    config = Qwen3MoeConfig(**{**size.__dict__, "head_dim": size.hidden_size // size.num_attention_heads, **TINY_MOE,
+                               **overrides},
+                            max_position_embeddings=32768, tie_word_embeddings=True,
+                            attn_implementation=_PACKED_ATTENTION, torch_dtype="float32",
+                            # grouped_mm wants 16-byte strides, which tiny's odd sizes do not have
+                            experts_implementation="eager")
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).float()
+
+
 class _StandInBlock(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()

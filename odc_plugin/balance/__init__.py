@@ -7,6 +7,7 @@ worth (it is left out here so that `python -m odc_plugin.balance.planner` runs i
 
 from odc_plugin.balance.common import RankPlan, balance_efficiency
 from odc_plugin.balance.costs import (
+    PRESETS,
     QWEN2_5_PRESETS,
     CostModel,
     FitCost,
@@ -19,6 +20,7 @@ from odc_plugin.balance.lb_mini import lb_mini
 from odc_plugin.balance.lengths import LengthSample, load_lengths, rl_math_like, sft_long_context_like
 
 __all__ = [
+    "PRESETS",
     "QWEN2_5_PRESETS",
     "CostModel",
     "FitCost",

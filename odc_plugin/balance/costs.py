@@ -11,7 +11,7 @@ import json
 import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -69,15 +69,36 @@ QWEN2_5_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+# Published config.json numbers of MoE models (huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json).
+MOE_PRESETS: dict[str, dict[str, int]] = {
+    "Qwen3-30B-A3B": {
+        "num_hidden_layers": 48,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "vocab_size": 151936,
+    },
+}
+PRESETS = {**QWEN2_5_PRESETS, **MOE_PRESETS}
+
+
 @dataclass(frozen=True)
 class FlopsCost(CostModel):
-    """Training FLOPs of one sequence through a dense decoder-only transformer with a SwiGLU MLP.
+    """Training FLOPs of one sequence through a decoder-only transformer with SwiGLU MLPs, dense or
+    mixture-of-experts.
 
-    Per token, every weight matrix costs 2 FLOPs per parameter (q/k/v/o projections, the three MLP
-    matrices and the LM head; embeddings and norms are negligible). Causal attention adds QK^T and
-    PV over the lower triangle, 2 * layers * heads * head_dim * s^2 FLOPs per sequence, which is what
-    makes long sequences expensive. Backward costs twice the forward, hence the factor 3; activation
-    recomputation would scale every sequence by the same 4/3 and so does not change any balance.
+    Per token, every weight matrix the token passes through costs 2 FLOPs per parameter (q/k/v/o
+    projections, the three MLP matrices and the LM head; embeddings and norms are negligible). In an MoE
+    layer a token passes through its `num_experts_per_tok` experts (and a shared expert, if any) and the
+    router, not through all experts: the active parameters, not the total, set the cost. Causal attention
+    adds QK^T and PV over the lower triangle, 2 * layers * heads * head_dim * s^2 FLOPs per sequence,
+    which is what makes long sequences expensive. Backward costs twice the forward, hence the factor 3;
+    activation recomputation would scale every sequence by the same 4/3 and so does not change any balance.
     """
 
     num_hidden_layers: int
@@ -87,6 +108,12 @@ class FlopsCost(CostModel):
     intermediate_size: int
     vocab_size: int
     head_dim: int | None = None
+    # Mixture of experts (all 0: a dense model). intermediate_size is then the dense layers' MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: int = 0  # layers whose MLP is a mixture of experts
+    shared_expert_intermediate_size: int = 0  # an expert every token passes through, if the model has one
 
     name: ClassVar[str] = "flops"
 
@@ -94,16 +121,23 @@ class FlopsCost(CostModel):
         if self.head_dim is None and self.num_attention_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"FlopsCost.{f.name} must be >= 1, got {getattr(self, f.name)}")
+            least = 0 if f.default == 0 else 1
+            if getattr(self, f.name) < least:
+                raise ValueError(f"FlopsCost.{f.name} must be >= {least}, got {getattr(self, f.name)}")
+        if self.moe_layers > self.num_hidden_layers:
+            raise ValueError(f"FlopsCost.moe_layers must be <= num_hidden_layers ({self.num_hidden_layers}), "
+                             f"got {self.moe_layers}")
+        if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
+            raise ValueError("FlopsCost with moe_layers needs 0 < num_experts_per_tok <= num_experts and "
+                             "moe_intermediate_size >= 1")
 
     @classmethod
     def from_config(cls, config: str | Mapping[str, Any] | Any) -> FlopsCost:
         """From a preset name (see QWEN2_5_PRESETS), a dict with HF key names, or a transformers PretrainedConfig."""
         if isinstance(config, str):
-            if config not in QWEN2_5_PRESETS:
-                raise ValueError(f"unknown model preset '{config}'; expected one of {', '.join(QWEN2_5_PRESETS)}")
-            config = QWEN2_5_PRESETS[config]
+            if config not in PRESETS:
+                raise ValueError(f"unknown model preset '{config}'; expected one of {', '.join(PRESETS)}")
+            config = PRESETS[config]
         elif hasattr(config, "to_dict"):
             config = config.to_dict()
         elif not isinstance(config, Mapping):
@@ -117,13 +151,23 @@ class FlopsCost(CostModel):
             # Multi-head attention configs leave these out: one kv head per head, head_dim = hidden / heads.
             num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
             head_dim=config.get("head_dim"),
+            **_moe_fields(config),
         )
+
+    def dense(self) -> FlopsCost:
+        """The same model costed as if every token passed through every expert: the total parameters."""
+        return replace(self, num_experts_per_tok=self.num_experts) if self.moe_layers else self
 
     @property
     def linear_flops_per_token(self) -> int:
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        layer = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size
-        return 2 * (self.num_hidden_layers * layer + h * self.vocab_size)
+        attention = 2 * h * q + 2 * h * kv
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = (3 * h * (self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size)
+                   + h * self.num_experts)  # the router
+        layers = (self.num_hidden_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp
+                  + self.moe_layers * moe_mlp)
+        return 2 * (layers + h * self.vocab_size)
 
     @property
     def attention_flops_per_seqlen_squared(self) -> int:
@@ -131,6 +175,21 @@ class FlopsCost(CostModel):
 
     def __call__(self, seqlen: int) -> float:
         return 3 * (self.linear_flops_per_token * seqlen + self.attention_flops_per_seqlen_squared * seqlen * seqlen)
+
+
+def _moe_fields(config: Mapping[str, Any]) -> dict[str, int]:
+    """FlopsCost's mixture-of-experts fields from an HF config: Qwen2/3-MoE names (num_experts,
+    moe_intermediate_size, decoder_sparse_step, mlp_only_layers, shared_expert_intermediate_size) or
+    Mixtral's (num_local_experts; experts as wide as intermediate_size, every layer)."""
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    layers, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step") or 1)
+    dense_only = set(config.get("mlp_only_layers") or ())
+    return {"num_experts": experts, "num_experts_per_tok": int(config["num_experts_per_tok"]),
+            "moe_intermediate_size": int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+            "moe_layers": sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
+            "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)}
 
 
 @dataclass(frozen=True)

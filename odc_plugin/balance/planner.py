@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from odc_plugin.balance.common import RankPlan, balance_efficiency
-from odc_plugin.balance.costs import QWEN2_5_PRESETS, CostCalibration, CostModel, FitCost, FlopsCost, get_cost_model
+from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, FlopsCost, get_cost_model
 from odc_plugin.balance.lb_micro import lb_micro
 from odc_plugin.balance.lb_mini import lb_mini
 from odc_plugin.balance.lengths import load_lengths, rl_math_like, sft_long_context_like
@@ -209,9 +209,9 @@ TIED_EMBEDDINGS = {"Qwen2.5-0.5B", "Qwen2.5-1.5B"}
 
 
 def model_params(preset: str) -> int:
-    """Parameters of a preset: its weight matrices (as FlopsCost counts them, head included) plus the
-    input embedding when the head is not tied to it."""
-    cost = FlopsCost.from_config(preset)
+    """Parameters of a preset: its weight matrices (as FlopsCost counts them, head included; an MoE's every
+    expert, all of which are communicated) plus the input embedding when the head is not tied to it."""
+    cost = FlopsCost.from_config(preset).dense()
     embedding = 0 if preset in TIED_EMBEDDINGS else cost.vocab_size * cost.hidden_size
     return cost.linear_flops_per_token // 2 + embedding
 
@@ -410,7 +410,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--minibatch-sizes", type=int, nargs="+", default=[256, 512, 1024], help="samples per mini-batch")
     p.add_argument("--max-token-len", type=int, help="ppo_max_token_len_per_gpu; default max(16384, longest)")
     p.add_argument("--cost", default="flops", choices=["tokens", "flops", "fit"])
-    p.add_argument("--model", default="Qwen2.5-7B", choices=list(QWEN2_5_PRESETS), help="for --cost flops")
+    p.add_argument("--model", default="Qwen2.5-7B", choices=list(PRESETS), help="for --cost flops")
+    p.add_argument("--moe-flops", choices=["active", "total"], default="active",
+                   help="for --cost flops with an MoE model: a token's cost through its own experts (active, "
+                   "what it costs) or through all of them (total, as a dense model of that size)")
     p.add_argument("--fit-a", type=float, help="for --cost fit: a in a*s^2 + b*s")
     p.add_argument("--fit-b", type=float, help="for --cost fit: b in a*s^2 + b*s")
     p.add_argument(
@@ -458,6 +461,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.cost,
                 **{"flops": {"model": args.model}, "fit": {"a": args.fit_a, "b": args.fit_b}}.get(args.cost, {}),
             )
+            if args.moe_flops == "total" and isinstance(cost, FlopsCost):
+                cost = cost.dense()
         model = StepTimeModel(
             throughput=args.throughput or (4e14 if args.cost == "flops" else 1.0),
             layer_comm_bytes=args.layer_comm_bytes,

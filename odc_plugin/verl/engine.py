@@ -11,7 +11,9 @@ log-prob / value inference alike):
 - per-micro-batch metrics are folded to one value per rank, since ranks now run different counts;
 - with `odc_cost_model=auto` every rank times its micro-batches, the ranks share the timings after the
   mini-batch, and each keeps the same online fit (odc_plugin.balance.online_fit), reported as
-  `odc/fit_*` and `odc/rank_speed_<r>` metrics, from which the trainer plans the next mini-batches.
+  `odc/fit_*` and `odc/rank_speed_<r>` metrics, from which the trainer plans the next mini-batches;
+- on a mixture-of-experts model, each rank counts the tokens its routers sent to each expert, and the
+  ranks' counts are compared after the mini-batch (`odc/moe/*` metrics, odc_plugin.moe).
 
 `fsdp_size` works as under `fsdp2`: smaller than the world size it builds verl's 2-D (ddp x fsdp) mesh,
 HSDP, and ODC then gets and accumulates inside each fsdp group (one node) and all-reduces across the
@@ -36,6 +38,7 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit
 from ..comm import make_transport
 from ..fsdp import ODCConfig, apply_odc, shard_group
+from ..moe import ExpertRouting, routing_metrics
 from .config import as_odc_config
 from .dispatch import COUNTS_KEY
 
@@ -72,6 +75,7 @@ class _ODCEngineMixin:
         transport = make_transport(odc_config.odc_transport, group=shard_group(module))
         self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
         self.odc_time_fit = OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
+        self.expert_routing = ExpertRouting.of(module)
         replicas = self.odc.mesh.num_replicas
         logger.info("odc: %s%s on %d ranks over %s%s", type(self).__name__,
                     " (forward only)" if self.engine_config.forward_only else "", transport.world_size * replicas,
@@ -94,6 +98,8 @@ class _ODCEngineMixin:
         scaler = getattr(self, "scaler", None)
         outputs = []
         clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
+        if self.expert_routing is not None:
+            self.expert_routing.take()  # count this mini-batch's routing only
         self.odc.begin(backward=not forward_only)
         for i, micro_batch in enumerate(micro_batches):
             clock.start(micro_batch)
@@ -114,7 +120,16 @@ class _ODCEngineMixin:
         output["metrics"].update(self._odc_metrics(stats, len(micro_batches)))
         if clock.timed:
             output["metrics"].update(self._refit(clock.seconds()))
+        if self.expert_routing is not None and not forward_only:
+            output["metrics"].update(self._routing_metrics())
         return output
+
+    def _routing_metrics(self) -> dict[str, list[float]]:
+        """Each rank's tokens per expert in this mini-batch, compared across ranks (a collective, after the
+        mini-batch has ended): `odc/moe/expert_load_max_<r>`, `idle_experts_<r>`, `routing_divergence`."""
+        every: list = [None] * self.get_data_parallel_size()
+        dist.all_gather_object(every, self.expert_routing.take(), group=self.get_data_parallel_group())
+        return {f"odc/moe/{key}": [value] for key, value in routing_metrics(every).items()}
 
     def _refit(self, timings: list[tuple[tuple[int, ...], float]]) -> dict[str, list[float]]:
         """Share this mini-batch's micro-batch timings with every rank (a collective, after the mini-batch

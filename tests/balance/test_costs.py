@@ -76,3 +76,39 @@ def test_get_cost_model():
 def test_get_cost_model_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         get_cost_model(*args, **kwargs)
+
+
+def test_moe_counts_the_parameters_a_token_passes_through():
+    """The tiny Qwen3-MoE as transformers builds it: per token, attention, its top-k experts' share of the
+    stacked expert tensors, the router and the (tied) head; not the other experts."""
+    from odc_plugin.models import build_qwen3_moe
+
+    model = build_qwen3_moe()
+    config = model.config
+    active = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name == "model.embed_tokens.weight":
+            continue  # norms; the embedding is a lookup (the tied head below multiplies by it)
+        share = config.num_experts_per_tok / config.num_experts if ".experts." in name else 1
+        active += p.numel() * share
+    active += model.lm_head.weight.numel()
+    cost = FlopsCost.from_config(config)
+    assert (cost.moe_layers, cost.num_experts, cost.num_experts_per_tok) == (2, 5, 2)
+    assert cost.linear_flops_per_token / 2 == pytest.approx(active)
+    every_expert = active + sum(p.numel() * (1 - 2 / 5) for n, p in model.named_parameters() if ".experts." in n)
+    assert cost.dense().linear_flops_per_token / 2 == pytest.approx(every_expert)
+
+
+def test_qwen3_30b_a3b_active_and_total_parameters():
+    from transformers import Qwen3MoeConfig
+
+    from odc_plugin.balance import PRESETS
+
+    cost = FlopsCost.from_config("Qwen3-30B-A3B")
+    assert cost == FlopsCost.from_config(Qwen3MoeConfig(**PRESETS["Qwen3-30B-A3B"]))
+    embedding = 151936 * 2048
+    # model card: 30.5B parameters in all, 3.3B activated
+    assert cost.linear_flops_per_token / 2 + embedding == pytest.approx(3.3e9, rel=0.02)
+    assert cost.dense().linear_flops_per_token / 2 + embedding == pytest.approx(30.5e9, rel=0.01)
+    with pytest.raises(ValueError, match="num_experts_per_tok <= num_experts"):
+        FlopsCost(**{**TINY, "num_experts": 4, "num_experts_per_tok": 8, "moe_intermediate_size": 8, "moe_layers": 2})

@@ -51,9 +51,9 @@ def reference_grads(seqs, device="cpu") -> dict[str, torch.Tensor]:
     return {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
-def reference_train_steps(seqs, steps, device="cpu") -> dict[str, torch.Tensor]:
+def reference_train_steps(seqs, steps, device="cpu", arch="qwen2") -> dict[str, torch.Tensor]:
     """workers.train_steps in one process on the whole batch: what every data-parallel run must match."""
-    model = build_qwen2("tiny", seed=0).to(device)
+    model = workers.MODELS[arch]().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     seqs = workers.on_device(seqs, device)
     for _ in range(steps):
@@ -119,6 +119,26 @@ def test_parameters_equal_single_process_adamw_steps(device):
     expected = reference_train_steps(seqs, 5, device)
     for name, value in expected.items():
         torch.testing.assert_close(odc[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_moe_with_an_expert_one_rank_routes_nothing_to_equals_single_process_adamw_steps():
+    """The tiny Qwen3-MoE (experts stacked in one tensor per layer, as transformers 5 builds them, 5 experts
+    over 3 ranks: padded shards), uneven micro-batch counts; rank 2 trains one short sequence, so some of
+    its layers' experts get none of its tokens while the other ranks' tokens reach them."""
+    seqs = workers.make_sequences(12, seed=15)  # the shortest of 4 tokens
+    shortest = min(range(len(seqs)), key=lambda i: len(seqs[i]))
+    rest = [i for i in range(len(seqs)) if i != shortest]
+    plan = [[rest[0:2], rest[2:4], rest[4:6], rest[6:8]], [rest[8:9], rest[9:]], [[shortest]]]
+    results = run_ranks(workers.train_moe_steps, 3, seqs, plan, 4)
+    counts = [torch.stack(c) for _, c in results]  # per rank: [steps, layers, experts]
+    idle_on_2 = (counts[2][0] == 0) & (counts[0][0] + counts[1][0] > 0)
+    assert idle_on_2.any(), counts[2][0]
+    print(f"step 1, tokens per expert (layer 0) on ranks 0, 1, 2: {[c[0, 0].tolist() for c in counts]}")
+    expected = reference_train_steps(seqs, 4, arch="qwen3_moe")
+    initial = dict(workers.MODELS["qwen3_moe"]().named_parameters())
+    for name, value in expected.items():
+        assert not torch.equal(value, initial[name].detach()), f"{name} did not train"
+        torch.testing.assert_close(results[0][0][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_no_collective_between_begin_and_end():

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from odc_plugin.comm import make_transport
 from odc_plugin.fsdp import ODCConfig, apply_odc
-from odc_plugin.models import build_qwen2, shard_qwen2, token_mean_loss
+from odc_plugin.models import build_qwen2, build_qwen3_moe, shard_qwen2, token_mean_loss
+from odc_plugin.moe import ExpertRouting
 
 VOCAB = 101  # the "tiny" size
 
@@ -54,12 +55,15 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {n: t.float() for n, t in _full_on_cpu(dict(model.named_parameters())).items()}
 
 
-def sharded_model(rank: int, world_size: int, mixed_precision: bool = False, device: str = "cpu"):
+MODELS = {"qwen2": lambda: build_qwen2("tiny", seed=0), "qwen3_moe": lambda: build_qwen3_moe(seed=0)}
+
+
+def sharded_model(rank: int, world_size: int, mixed_precision: bool = False, device: str = "cpu", arch="qwen2"):
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     mesh = init_device_mesh(device, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    return shard_qwen2(build_qwen2("tiny", seed=0).to(device), mesh, mp)
+    return shard_qwen2(MODELS[arch]().to(device), mesh, mp)
 
 
 def on_device(seqs, device: str) -> list[torch.Tensor]:
@@ -81,11 +85,23 @@ def odc_grads(rank, world_size, seqs, plan, device="cpu", timeout_s=60.0):
     return full_grads(model), sizes
 
 
-def train_steps(rank, world_size, seqs, plan, steps, use_odc, mixed_precision, device="cpu"):
+def train_steps(rank, world_size, seqs, plan, steps, use_odc, mixed_precision, device="cpu", arch="qwen2"):
     """`steps` AdamW steps with grad clipping; the same per-rank micro-batches every step."""
-    model = sharded_model(rank, world_size, mixed_precision, device)
+    model = sharded_model(rank, world_size, mixed_precision, device, arch)
     odc = apply_odc(model, make_transport(TRANSPORT[device])) if use_odc else None
-    seqs = on_device(seqs, device)
+    return adamw_steps(model, odc, rank, world_size, on_device(seqs, device), plan, steps)
+
+
+def train_moe_steps(rank, world_size, seqs, plan, steps):
+    """train_steps of the tiny MoE under ODC; also the tokens this rank routed to each expert, per step."""
+    model = sharded_model(rank, world_size, arch="qwen3_moe")
+    odc = apply_odc(model, make_transport("shm"))
+    routing, counts = ExpertRouting(model), []
+    params = adamw_steps(model, odc, rank, world_size, seqs, plan, steps, lambda: counts.append(routing.take()))
+    return params, counts
+
+
+def adamw_steps(model, odc, rank, world_size, seqs, plan, steps, after_step=lambda: None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     global_tokens = count_targets(seqs)
     for _ in range(steps):
@@ -98,6 +114,7 @@ def train_steps(rank, world_size, seqs, plan, steps, use_odc, mixed_precision, d
             odc.end()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
         opt.step()
+        after_step()
     return full_params(model)
 
 

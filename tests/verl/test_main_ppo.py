@@ -257,6 +257,59 @@ def test_resume_a_checkpoint_under_the_other_strategy(ppo, saved_by, resumed_by)
 
 
 # ---------------------------------------------------------------------------------------------
+# The models RL users train: a mixture of experts, LoRA adapters synced unmerged
+# ---------------------------------------------------------------------------------------------
+
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.model.lora.merge=False"]
+
+
+@pytest.fixture(scope="module")
+def moe_assets():
+    return ensure_assets(model="qwen3_moe")
+
+
+def _first_step_agrees(runs: dict[str, Trained]) -> None:
+    for run in runs.values():
+        run.assert_ok(len(run.metrics))
+    fsdp2, odc = runs["fsdp2"].metrics[1], runs["odc"].metrics[1]
+    for key in ("critic/score/mean", "response_length/mean"):  # the same rollouts
+        assert fsdp2[key] == odc[key], key
+    # float32 rounding of differently split sums, as in test_step_one_equals_fsdp2
+    assert close(fsdp2["actor/grad_norm"], odc["actor/grad_norm"], 1e-5), (fsdp2["actor/grad_norm"],
+                                                                          odc["actor/grad_norm"])
+    assert fsdp2["actor/grad_norm"] > 0
+
+
+def test_grpo_moe_first_step_equals_fsdp2_and_ranks_route_differently(out, moe_assets):
+    """The tiny Qwen3-MoE (experts fused in transformers 5's layout; the rollout takes them per expert)."""
+    runs = {s: train(out, moe_assets, "grpo-moe", s, 1) for s in grpo.STRATEGIES}
+    _first_step_agrees(runs)
+    odc = runs["odc"].metrics[1]
+    # both ranks routed tokens, not to the same experts in the same shares (~0.8% of routings differ)
+    assert odc["actor/odc/moe/routing_divergence"] > 1e-3, odc["actor/odc/moe/routing_divergence"]
+    loads = [odc[f"actor/odc/moe/expert_load_max_{rank}"] for rank in range(RANKS)]
+    assert all(1 < load <= 4 for load in loads) and loads[0] != loads[1], loads
+    print({k: v for k, v in odc.items() if "/moe/" in k})
+
+
+def test_grpo_lora_unmerged_first_step_equals_fsdp2(out, assets):
+    """LoRA with merge=False: the rollout gets the base weights once, then the adapter every step, and
+    generates with it; step 2's rollouts come from the adapter step 1 trained."""
+    runs = {s: train(out, assets, "grpo-lora", s, 2, LORA) for s in grpo.STRATEGIES}
+    _first_step_agrees(runs)
+    fsdp2, odc = runs["fsdp2"].metrics[2], runs["odc"].metrics[2]
+    assert fsdp2["response_length/mean"] == odc["response_length/mean"]
+
+
+def test_ppo_with_an_moe_critic_under_odc(out, moe_assets):
+    run = train(out, moe_assets, "ppo-moe", "odc", 1, ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-4"])
+    run.assert_ok(1)
+    metrics = run.metrics[1]
+    assert metrics["critic/grad_norm"] > 0 and "critic/odc/moe/routing_divergence" in metrics
+
+
+# ---------------------------------------------------------------------------------------------
 # bad input and failing workers through the real trainer
 # ---------------------------------------------------------------------------------------------
 

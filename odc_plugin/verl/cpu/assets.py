@@ -1,5 +1,6 @@
 """Everything a GRPO run on a laptop needs, made offline: arithmetic word problems in verl's GSM8K
-parquet layout, a tokenizer with a chat template, and a tiny Qwen2 warm-started on the task.
+parquet layout, a tokenizer with a chat template, and a tiny model warm-started on the task: a Qwen2, or
+a Qwen3-MoE (`MODELS`).
 
 A randomly initialised model never writes "#### <number>", so every reward is 0, every GRPO advantage
 is 0 and training does nothing; a short supervised warm start teaches it the answer format and some
@@ -29,6 +30,10 @@ CHAT_TEMPLATE = (
 )
 MODEL_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "max_position_embeddings": 512}
+# Every MLP a mixture of 4 experts, 2 per token; the rest as the Qwen2.
+MOE_SHAPE = {**MODEL_SHAPE, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+             "norm_topk_prob": True}
+MODELS = ("qwen2", "qwen3_moe")
 NAMES = ("Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun")
 ITEMS = ("apples", "pens", "coins", "books", "cards", "shells", "stamps", "marbles")
 
@@ -91,14 +96,16 @@ def build_tokenizer(problems: list[Problem]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, chat_template=CHAT_TEMPLATE)
 
 
-def build_model(tokenizer, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_model(tokenizer, seed: int, model: str = "qwen2"):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    config_class, model_class, shape = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, MODEL_SHAPE),
+                                        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_SHAPE)}[model]
     eos, pad = tokenizer.convert_tokens_to_ids([IM_END, PAD])
-    config = Qwen2Config(**MODEL_SHAPE, vocab_size=len(tokenizer), tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=eos, pad_token_id=pad, architectures=["Qwen2ForCausalLM"])
+    config = config_class(**shape, vocab_size=len(tokenizer), tie_word_embeddings=False, bos_token_id=None,
+                          eos_token_id=eos, pad_token_id=pad, architectures=[model_class.__name__])
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).to(torch.float32)
+    return model_class(config).to(torch.float32)
 
 
 def warm_start(model, tokenizer, problems: list[Problem], steps: int, seed: int, batch_size: int = 32) -> float:
@@ -144,12 +151,13 @@ def cache_root() -> str:
     return os.environ.get("ODC_VERL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "odc-verl")
 
 
-def build(out_dir: str, *, n_train: int = 512, n_val: int = 64, warm_start_steps: int = 400, seed: int = 0) -> None:
+def build(out_dir: str, *, model: str = "qwen2", n_train: int = 512, n_val: int = 64, warm_start_steps: int = 400,
+          seed: int = 0) -> None:
     """Write the model (+ tokenizer) and the two parquet files into `out_dir`."""
     problems = make_problems(n_train + n_val, seed)
     train, val = problems[:n_train], problems[n_train:]
     tokenizer = build_tokenizer(problems)
-    model = build_model(tokenizer, seed)
+    model = build_model(tokenizer, seed, model)
     warm_start(model, tokenizer, train, warm_start_steps, seed)
     model_dir = os.path.join(out_dir, "model")
     model.save_pretrained(model_dir)
@@ -159,16 +167,18 @@ def build(out_dir: str, *, n_train: int = 512, n_val: int = 64, warm_start_steps
     write_parquet(val, os.path.join(out_dir, "test.parquet"), "test")
 
 
-def ensure_assets(root: str | None = None, log=print) -> Assets:
-    """The cached assets, built first if missing."""
+def ensure_assets(root: str | None = None, log=print, model: str = "qwen2") -> Assets:
+    """The cached assets with `model` (one of MODELS), built first if missing."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; expected one of {', '.join(MODELS)}")
     root = root or cache_root()
-    final = os.path.join(root, f"grpo-cpu-v{VERSION}")
+    final = os.path.join(root, f"grpo-cpu-v{VERSION}" if model == "qwen2" else f"grpo-cpu-{model}-v{VERSION}")
     if not os.path.isdir(final):
         os.makedirs(root, exist_ok=True)
-        log(f"building the tiny model, tokenizer and math data set (once) in {final}")
+        log(f"building the tiny {model} model, tokenizer and math data set (once) in {final}")
         staging = tempfile.mkdtemp(prefix=".building-", dir=root)
         try:
-            build(staging)
+            build(staging, model=model)
             os.rename(staging, final)
         except OSError:
             if not os.path.isdir(final):  # not a concurrent build that finished first

@@ -2,7 +2,7 @@
 once with `strategy=fsdp2` and once with `strategy=odc`, same seed, data and settings, then the A/B
 report of the two runs.
 
-    odc-grpo-cpu [--steps N] [--out DIR] [--slow-ranks R:F] [key=value ...]
+    odc-grpo-cpu [--steps N] [--out DIR] [--model qwen2|qwen3_moe] [--slow-ranks R:F] [key=value ...]
 
 Each `key=value` goes to both runs as a hydra override (e.g. actor_rollout_ref.actor.use_dynamic_bsz=False);
 both runs' configurations are composed and validated by verl before either starts. Rollouts come from
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ...layer_time import parse_slow_ranks
 from . import PLATFORM_ENV, SLOW_RANKS_ENV
-from .assets import Assets, ensure_assets
+from .assets import MODELS, Assets, ensure_assets
 
 STRATEGIES = ("fsdp2", "odc")
 # The keys that differ between the two runs: one value, the strategy, for every trained role.
@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
                         help="which runs, in order (default: fsdp2 odc)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is killed")
+    parser.add_argument("--model", choices=MODELS, default="qwen2",
+                        help="the tiny model trained (and the critic's, with a critic): a Qwen2 or a Qwen3-MoE")
     parser.add_argument("--slow-ranks", metavar="R:F[,R:F]",
                         help="training rank R's layers take F times as long, in both runs (a slow GPU on purpose)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for both runs")
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     os.environ[PLATFORM_ENV] = "cpu"  # for the configuration checks below, as in the runs
-    assets = ensure_assets()
+    assets = ensure_assets(model=args.model)
     shared = settings(assets, args.ranks, args.steps, out_dir)
     plan = {s: run_args(shared, s, args.overrides, os.path.join(out_dir, f"{s}.jsonl"), args.slow_ranks)
             for s in args.strategies}

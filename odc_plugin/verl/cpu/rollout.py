@@ -8,7 +8,9 @@ Three pieces, as verl 0.9.1 wires a rollout backend:
 - `HFReplica`, registered in verl's `RolloutReplicaRegistry` as `hf`: starts the server.
 - `HFServerAdapter`, the in-worker side verl builds in each training rank (`get_rollout_class`): it
   receives the trainer's weights through verl's own sync path (`ActorRolloutRefWorker.update_weights`
-  with `checkpoint_engine.backend=naive`) and ships them to its replica's server.
+  with `checkpoint_engine.backend=naive`) and ships them to its replica's server: full weights (put into
+  the model's own layout, `weights.py`: MoE experts fused or not), or with LoRA and `merge=False` the
+  base weights once and then the adapter, which the server's model generates with.
 
 With `rollout.full_determinism=True` each request is sampled from its own seed: (rollout.seed, the
 training step of the weights, prompt, how many times this prompt came before with these weights). Two
@@ -32,6 +34,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from . import ROLLOUT_NAME
+from .weights import plain_name, to_model_layout
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,11 @@ class HFRolloutServer:
         self.config, self.replica_rank = config, replica_rank
         path = model_config.local_path if getattr(model_config, "local_path", None) else model_config.path
         override = dict(getattr(model_config, "override_config", None) or {})
+        # the implementations the trainer's model was told to use (override_config), if any
+        implementations = {key: override[key] for key in ("experts_implementation",) if key in override}
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, torch_dtype=_dtype(config.dtype), attn_implementation=override.get("attn_implementation", "sdpa"))
+            path, torch_dtype=_dtype(config.dtype), attn_implementation=override.get("attn_implementation", "sdpa"),
+            **implementations)
         self.model.eval()
         self.eos_token_id = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
         self.pad_token_id = self.model.generation_config.pad_token_id or self.model.config.pad_token_id
@@ -111,19 +117,36 @@ class HFRolloutServer:
         return TokenOutput(token_ids=tokens.tolist(), log_probs=log_probs, stop_reason="completed",
                            extra_fields={"global_steps": self.global_steps})
 
-    async def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> None:
+    async def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None,
+                             peft_config: dict | None = None) -> None:
+        """Full weights, or with `peft_config` a LoRA adapter's weights (verl's merge=False sync) that the
+        model then generates with."""
         async with self._lock:
-            own = self.model.state_dict()
-            unknown = sorted(set(state) - set(own))
-            if unknown:
-                raise KeyError(f"rollout '{ROLLOUT_NAME}': the trainer sent weights the rollout model does not "
-                               f"have: {unknown[:5]}")
-            missing = sorted(set(own) - set(state) - self._tied_names())
-            if missing:
-                raise KeyError(f"rollout '{ROLLOUT_NAME}': the trainer sent no weights for {missing[:5]}")
-            self.model.load_state_dict(state, strict=False)
+            if peft_config is None:
+                self._load_base(state)
+            else:
+                self._load_adapter(state, peft_config)
             if global_steps is not None:
                 self.global_steps = global_steps
+
+    def _load_base(self, state: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        weights = to_model_layout(state, own)
+        base = {name for name in own if ".lora_" not in name}  # an adapter's weights come in their own sync
+        missing = sorted(plain_name(n) for n in base - set(weights) if plain_name(n) not in self._tied_names())
+        if missing:
+            raise KeyError(f"rollout '{ROLLOUT_NAME}': the trainer sent no weights for {missing[:5]}")
+        self.model.load_state_dict(weights, strict=False)
+
+    def _load_adapter(self, state: dict[str, torch.Tensor], peft_config: dict) -> None:
+        from peft import PeftModel, get_peft_config, get_peft_model, set_peft_model_state_dict
+
+        if not isinstance(self.model, PeftModel):  # the first adapter: wrap the model as the trainer's is
+            self.model = get_peft_model(self.model, get_peft_config(dict(peft_config))).eval()
+        result = set_peft_model_state_dict(self.model, state)
+        if result.unexpected_keys:
+            raise KeyError(f"rollout '{ROLLOUT_NAME}': the trainer sent adapter weights the rollout model does not "
+                           f"have: {sorted(result.unexpected_keys)[:5]}")
 
     def _tied_names(self) -> set[str]:
         return {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
@@ -205,14 +228,14 @@ class HFServerAdapter(BaseRollout):
 
     @torch.no_grad()
     async def update_weights(self, weights, global_steps: int | None = None, wire_format: str = "named_tensors",
-                             peft_config=None, **kwargs):
+                             peft_config: dict | None = None, base_sync_done: bool = True, **kwargs):
+        """verl's weight sync: full weights (peft_config None), or for LoRA with merge=False first the base
+        weights (base_sync_done False) and from then on the adapter's (peft_config, base_sync_done True)."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"rollout '{ROLLOUT_NAME}' takes full weights (wire_format named_tensors), "
                                       f"got {wire_format!r}")
-        if peft_config is not None:
-            raise NotImplementedError(f"rollout '{ROLLOUT_NAME}' takes merged weights; "
-                                      f"set actor_rollout_ref.model.lora.merge=True")
         # Every rank drains the generator: producing each full tensor is a collective over the trainer ranks.
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
         if self.is_leader:
-            await ray.get_actor(server_name(self.replica_rank)).update_weights.remote(state, global_steps)
+            adapter = peft_config if base_sync_done else None
+            await ray.get_actor(server_name(self.replica_rank)).update_weights.remote(state, global_steps, adapter)
