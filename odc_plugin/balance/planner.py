@@ -8,6 +8,12 @@ reduction) is the same in all three and left out.
     odc-plan --lengths rl --cost flops --model Qwen2.5-7B
     odc-plan --lengths data.parquet:num_tokens --ranks 16 32 --minibatch-sizes 512 --json
     odc-plan --cost fit --fit-file configs/cost_fit/Qwen2.5-7B-H100.json
+    odc-plan --sp 2 4 --lengths rl --max-response-length 32768 --ranks 8 32
+
+With Ulysses sequence parallelism (`--sp N`, verl's `ulysses_sequence_parallel_size`) the unit that
+FSDP holds in lockstep and LB-Mini balances is a group of N GPUs: ranks / N groups, each computing its
+samples N times as fast (heads split over the group; the all-to-all is not modelled), each packing
+micro-batches to N times the per-GPU token budget, as verl does.
 
 Across nodes (`--nodes`), it compares the three ways to run data parallelism over several nodes and
 picks the fastest: FSDP2's HSDP with LB-Micro (verl's `fsdp2` with `fsdp_size` = GPUs per node), ODC
@@ -23,7 +29,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -134,11 +140,12 @@ def compare_schemes(
 class PlanRow:
     """Means over the draws of one (ranks, mini-batch size) configuration."""
 
-    dp_size: int
+    dp_size: int  # data-parallel units: GPUs, or sequence-parallel groups of `sp` GPUs
     minibatch_size: int
     seconds: dict[str, float]
     idle_fraction: dict[str, float]
     efficiency: dict[str, float]
+    sp: int = 1
 
     def speedup(self, scheme: str) -> float:
         return self.seconds["fsdp_lb_micro"] / self.seconds[scheme]
@@ -153,35 +160,45 @@ def plan_table(
     model: StepTimeModel = StepTimeModel(),
     draws: int = 5,
     seed: int = 0,
+    sp_sizes: Sequence[int] = (1,),
 ) -> list[PlanRow]:
-    """One row per (ranks, mini-batch size) that divides evenly, as verl requires; `draw(n, seed)`
-    gives the lengths of one mini-batch of n samples. Every rank count sees the same draws."""
+    """One row per (ranks, sequence-parallel size, mini-batch size) that divides evenly, as verl requires;
+    `ranks` are GPUs; `draw(n, seed)` gives the lengths of one mini-batch of n samples. Every row sees the
+    same draws."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
     rows = []
-    for dp in ranks:
-        for size in minibatch_sizes:
-            if size % dp:
+    for gpus in ranks:
+        for sp in sp_sizes:
+            if sp < 1 or gpus % sp:
                 continue
-            runs = [compare_schemes(draw(size, seed + d), dp, max_token_len, cost, model) for d in range(draws)]
-            rows.append(
-                PlanRow(
-                    dp,
-                    size,
-                    seconds={s: statistics.fmean(r.times[s].seconds for r in runs) for s in SCHEMES},
-                    idle_fraction={s: statistics.fmean(r.times[s].idle_fraction for r in runs) for s in SCHEMES},
-                    efficiency={k: statistics.fmean(r.efficiency[k] for r in runs) for k in runs[0].efficiency},
+            dp, group_model = gpus // sp, replace(model, throughput=model.throughput * sp)
+            for size in minibatch_sizes:
+                if size % dp:
+                    continue
+                runs = [compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model)
+                        for d in range(draws)]
+                rows.append(
+                    PlanRow(
+                        dp,
+                        size,
+                        seconds={s: statistics.fmean(r.times[s].seconds for r in runs) for s in SCHEMES},
+                        idle_fraction={s: statistics.fmean(r.times[s].idle_fraction for r in runs) for s in SCHEMES},
+                        efficiency={k: statistics.fmean(r.efficiency[k] for r in runs) for k in runs[0].efficiency},
+                        sp=sp,
+                    )
                 )
-            )
     return rows
 
 
 def format_table(rows: Sequence[PlanRow]) -> str:
     columns = [  # (group, header, cell of a row)
-        ("", "ranks", lambda r: f"{r.dp_size}"),
+        ("", "ranks", lambda r: f"{r.dp_size * r.sp}"),
         ("", "mini-batch", lambda r: f"{r.minibatch_size}"),
         ("", "per rank", lambda r: f"{r.minibatch_size // r.dp_size}"),
     ]
+    if any(r.sp > 1 for r in rows):  # "per rank" is then per sequence-parallel group
+        columns.insert(1, ("", "sp", lambda r: f"{r.sp}"))
     for s, name in SCHEMES.items():
         columns.append((name, "time", lambda r, s=s: f"{r.seconds[s]:.4g}"))
         columns.append((name, "idle", lambda r, s=s: f"{r.idle_fraction[s]:.1%}"))
@@ -406,7 +423,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="odc-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--lengths", default="rl", help="rl, sft, or FILE.json / FILE.txt / FILE.parquet:COLUMN")
-    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64], help="GPUs")
+    p.add_argument("--sp", type=int, nargs="+", default=[1], metavar="N",
+                   help="Ulysses sequence-parallel sizes (ulysses_sequence_parallel_size); rows per size")
     p.add_argument("--minibatch-sizes", type=int, nargs="+", default=[256, 512, 1024], help="samples per mini-batch")
     p.add_argument("--max-token-len", type=int, help="ppo_max_token_len_per_gpu; default max(16384, longest)")
     p.add_argument("--cost", default="flops", choices=["tokens", "flops", "fit"])
@@ -443,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot speedup and idle fraction")
     args = p.parse_args(argv)
+    if args.plot and len(args.sp) > 1:
+        p.error("--plot draws one sequence-parallel size; give one --sp")
     if args.cost == "fit" and args.fit_file and (args.fit_a is not None or args.fit_b is not None):
         p.error("--cost fit takes --fit-file or --fit-a and --fit-b, not both")
     if args.cost == "fit" and not args.fit_file and (args.fit_a is None or args.fit_b is None):
@@ -484,7 +505,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows = cluster_table(draw, args.nodes, args.minibatch_sizes, max_token_len, cost, cluster,
                                  model.throughput, args.draws, args.seed)
         else:
-            rows = plan_table(draw, args.ranks, args.minibatch_sizes, max_token_len, cost, model, args.draws, args.seed)
+            if any(sp < 1 for sp in args.sp):
+                raise ValueError(f"--sp sizes must be >= 1, got {args.sp}")
+            rows = plan_table(draw, args.ranks, args.minibatch_sizes, max_token_len, cost, model, args.draws,
+                              args.seed, args.sp)
     except ValueError as e:
         p.error(str(e))
     if args.nodes:
@@ -502,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"lengths={args.lengths} cost={args.cost} max_token_len={max_token_len} draws={args.draws}; "
             f"time = cost / {model.throughput:g} per second"
         )
+        if any(sp > 1 for sp in args.sp):
+            print("sp: Ulysses group size; 'per rank' is then per group, whose micro-batches hold sp x "
+                  "max_token_len tokens")
         print(format_table(rows))
     if args.plot:
         plot(rows, args.plot, title=f"{args.lengths}, cost={args.cost}, max_token_len={max_token_len}")

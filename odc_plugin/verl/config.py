@@ -48,9 +48,6 @@ class ODCEngineConfig(FSDPEngineConfig):
         if min(self.odc_cost_fit_a, self.odc_cost_fit_b) < 0 or self.odc_cost_fit_a == self.odc_cost_fit_b == 0:
             raise ValueError(f"odc_cost_fit_a and odc_cost_fit_b must be >= 0 and not both 0, got "
                              f"{self.odc_cost_fit_a}, {self.odc_cost_fit_b}")
-        if self.ulysses_sequence_parallel_size != 1:
-            raise ValueError("ulysses_sequence_parallel_size must be 1 with strategy odc (sequence parallelism "
-                             "would put collectives back inside the mini-batch)")
 
 
 def _check_choice(key: str, value: Any, choices) -> None:

@@ -272,9 +272,12 @@ class LBMiniSettings:
 
     mini_batch_size: int | None
     cost: CostModel  # with `auto`: the prior, until the engine has reported a fit
-    max_token_len: int | None  # the engine's per-micro-batch token budget (dynamic batch size)
+    max_token_len: int | None  # the per-GPU token budget (dynamic batch size), as the role's config gives it
     micro_batch_size: int | None  # the engine's fixed micro-batch size (no dynamic batch size)
     auto: bool = False
+    # Ulysses: a sequence-parallel group of this many ranks runs each micro-batch together, and verl packs
+    # its micro-batches to the per-GPU budget times this size
+    sp_size: int = 1
     fit: TimeFit | None = None  # the auto cost's latest fit
     fit_from: LBMiniSettings | None = None  # a forward-only pass plans with its role's training fit
 
@@ -290,7 +293,7 @@ class LBMiniSettings:
             seqlens,
             self.mini_batch_size or len(seqlens),
             dp_size,
-            self.max_token_len,
+            self.max_token_len * self.sp_size if self.max_token_len else None,
             fit or self.cost,
             micro_batch_size=self.micro_batch_size,
             rank_speed=fit.speeds if fit else None,
@@ -300,7 +303,8 @@ class LBMiniSettings:
 
     def for_inference(self, max_token_len: int | None, micro_batch_size: int | None) -> LBMiniSettings:
         """A forward-only pass of the same role: the whole batch at once, planned with this fit."""
-        return LBMiniSettings(None, self.cost, max_token_len, micro_batch_size, self.auto, fit_from=self)
+        return LBMiniSettings(None, self.cost, max_token_len, micro_batch_size, self.auto, fit_from=self,
+                              sp_size=self.sp_size)
 
     def observe(self, metrics: dict, role: str) -> dict[str, float]:
         """Take the auto fit the role's engine reported in the update's metrics (`<role>/odc/fit_*`,
@@ -359,13 +363,14 @@ def lb_mini_settings(
         cost = get_cost_model("fit", a=odc.odc_cost_fit_a, b=odc.odc_cost_fit_b)
     else:
         cost = get_cost_model(odc.odc_cost_model)
+    sp_size = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
     if use_dynamic_bsz:
         if max_token_len is None:
             raise ValueError("use_dynamic_bsz needs ppo_max_token_len_per_gpu")
-        return LBMiniSettings(int(mini_batch_size), cost, int(max_token_len), None, auto)
+        return LBMiniSettings(int(mini_batch_size), cost, int(max_token_len), None, auto, sp_size=sp_size)
     if micro_batch_size is None:
         raise ValueError("without use_dynamic_bsz the engine needs ppo_micro_batch_size_per_gpu")
-    return LBMiniSettings(int(mini_batch_size), cost, None, int(micro_batch_size), auto)
+    return LBMiniSettings(int(mini_batch_size), cost, None, int(micro_batch_size), auto, sp_size=sp_size)
 
 
 def mini_batch_schedule(num_mini_batches: int, epochs: int, seed: int, shuffle: bool) -> list[int]:

@@ -15,6 +15,11 @@ log-prob / value inference alike):
 - on a mixture-of-experts model, each rank counts the tokens its routers sent to each expert, and the
   ranks' counts are compared after the mini-batch (`odc/moe/*` metrics, odc_plugin.moe).
 
+Ulysses sequence parallelism (`ulysses_sequence_parallel_size` > 1) works as under `fsdp2`: ODC shards
+and gets over all FSDP ranks; the ranks of one sequence-parallel group hold the same samples, pack the
+same micro-batches (checked before the mini-batch) and exchange heads with verl's all-to-alls inside
+their group; different groups run different micro-batch counts and meet once, at the end.
+
 `fsdp_size` works as under `fsdp2`: smaller than the world size it builds verl's 2-D (ddp x fsdp) mesh,
 HSDP, and ODC then gets and accumulates inside each fsdp group (one node) and all-reduces across the
 groups once per mini-batch.
@@ -95,6 +100,8 @@ class _ODCEngineMixin:
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
 
         micro_batches, indices = prepare_micro_batches(data=data, same_micro_num_in_dp=False)
+        if self.ulysses_sequence_parallel_size > 1:
+            self._check_sequence_parallel_group_agrees(micro_batches)
         scaler = getattr(self, "scaler", None)
         outputs = []
         clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
@@ -130,6 +137,20 @@ class _ODCEngineMixin:
         every: list = [None] * self.get_data_parallel_size()
         dist.all_gather_object(every, self.expert_routing.take(), group=self.get_data_parallel_group())
         return {f"odc/moe/{key}": [value] for key, value in routing_metrics(every).items()}
+
+    def _check_sequence_parallel_group_agrees(self, micro_batches) -> None:
+        """The ranks of a Ulysses group exchange attention heads in every layer of every micro-batch, so
+        they must run the same micro-batches; a group whose ranks received different samples would hang
+        in that exchange or mix sequences. One collective inside the group, before the mini-batch."""
+        mine = [_sequence_lengths(mb) for mb in micro_batches]
+        group = self.ulysses_parallel_group
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        if any(theirs != mine for theirs in every):
+            raise ValueError(
+                f"the ranks {dist.get_process_group_ranks(group)} of one sequence-parallel group must run the same "
+                f"micro-batches, got {[len(m) for m in every]} micro-batches of "
+                f"{[sum(map(len, m)) for m in every]} sequences: every rank of a group must receive the same samples")
 
     def _refit(self, timings: list[tuple[tuple[int, ...], float]]) -> dict[str, list[float]]:
         """Share this mini-batch's micro-batch timings with every rank (a collective, after the mini-batch

@@ -93,15 +93,15 @@ def test_an_8_rank_emulated_run_trains_every_sample_once_per_row_to_the_same_par
 
 def test_the_auto_row_starts_from_flops_then_gives_a_slow_rank_less_work(tmp_path):
     cfg = DemoConfig(ranks=4, steps=3, workload="rl", mini_batch_size=8, max_prompt_length=512,
-                     max_response_length=16384, max_token_len=16896, emulate=FIT_FILE, time_scale=0.05,
+                     max_response_length=16384, max_token_len=16896, emulate=FIT_FILE, time_scale=0.15,
                      slow_ranks="1:2", cost="auto", out_dir=str(tmp_path))
     report = run_demo(cfg, quiet=True)
     auto = report["runs"][AUTO_ROW]
     assert report["auto_fits"][0] is None  # no timings yet: the FLOPs prior planned the first mini-batch
     last = report["auto_fits"][-1]
-    # the emulated 2x slowdown, found; at this tiny time scale the real (not slowed) work of a micro-batch
-    # is a good part of its time, which pulls the estimate towards 1 (the fit's accuracy is tested on
-    # synthetic timings in tests/balance/test_online_fit.py)
+    # the emulated 2x slowdown, found; at this small time scale the real (not slowed) work of a micro-batch
+    # is a part of its time, more so on a busy machine, which pulls the estimate towards 1 (the fit's
+    # accuracy is tested on synthetic timings in tests/balance/test_online_fit.py)
     assert last["speeds"][1] == pytest.approx(0.5, rel=0.2)
     for k in (1, 2):
         tokens = auto["tokens_per_rank"][k]

@@ -131,36 +131,49 @@ def _collective_names() -> list[str]:
     ]
 
 
-def count_collectives_in_minibatch(rank, world_size, seqs, plan, use_odc):
-    """Counts every torch.distributed collective called between begin() and end() on this rank."""
-    model = sharded_model(rank, world_size)
-    odc = apply_odc(model, make_transport("shm")) if use_odc else None
-    calls: list[str] = []
+@contextlib.contextmanager
+def collectives_called():
+    """Records every torch.distributed collective called inside, as (name, ranks of its group)."""
+    import inspect
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
     originals = {name: getattr(dist.distributed_c10d, name) for name in _collective_names()}
 
-    def counting(name, fn):
+    def recording(name, fn):
+        signature = inspect.signature(fn)
+
         def wrapper(*args, **kwargs):
-            calls.append(name)
+            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+            ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
+            calls.append((name, ranks))
             return fn(*args, **kwargs)
         return wrapper
 
     modules = (dist, dist.distributed_c10d)
-    global_tokens = count_targets(seqs)
-    if odc:
-        odc.begin()
     for mod in modules:
         for name, fn in originals.items():
-            setattr(mod, name, counting(name, fn))
+            setattr(mod, name, recording(name, fn))
     try:
-        for mb in plan[rank]:
-            token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
+        yield calls
     finally:
         for mod in modules:
             for name, fn in originals.items():
                 setattr(mod, name, fn)
+
+
+def count_collectives_in_minibatch(rank, world_size, seqs, plan, use_odc):
+    """Counts every torch.distributed collective called between begin() and end() on this rank."""
+    model = sharded_model(rank, world_size)
+    odc = apply_odc(model, make_transport("shm")) if use_odc else None
+    global_tokens = count_targets(seqs)
+    if odc:
+        odc.begin()
+    with collectives_called() as calls:
+        for mb in plan[rank]:
+            token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
     if odc:
         odc.end()
-    return calls
+    return [name for name, _ in calls]
 
 
 def die_mid_minibatch(rank, world_size, seqs, plan, victim, timeout_s):

@@ -209,6 +209,7 @@ from odc_patches import (  # noqa: E402
     cpu_offload_unpinned,
     cpu_process_group,
     cpu_slow_rank,
+    cpu_ulysses_sdpa,
     cpu_valuehead_attn,
     hf_rollout_registry,
 )
@@ -240,12 +241,16 @@ def stock_cpu(monkeypatch):
 
     build = FSDPEngine._build_fsdp_module
     monkeypatch.setattr(FSDPEngine, "_build_fsdp_module", getattr(build, "__wrapped__", build))
+    from transformers import AttentionInterface
+
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", getattr(sdpa, "__wrapped__", sdpa))
     return monkeypatch
 
 
 def test_cpu_patch_list():
     assert CPU_PATCHES == ("cpu_process_group", "cpu_offload_unpinned", "cpu_valuehead_attn", "hf_rollout_registry",
-                           "cpu_slow_rank")
+                           "cpu_slow_rank", "cpu_ulysses_sdpa")
     for name in CPU_PATCHES:
         patch = getattr(odc_patches, name)
         assert patch.VERL_VERSION == "0.9.1"
@@ -271,6 +276,9 @@ def test_cpu_patches_apply_to_stock_verl(stock_cpu, tmp_path):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     assert FSDPEngine._build_fsdp_module._odc_patched
+    from transformers import AttentionInterface
+
+    assert AttentionInterface._global_mapping["sdpa"]._odc_patched  # Ulysses' head exchange under SDPA
     # the critic's value-head model loads with the attention its config names (stock verl forces
     # flash_attention_2, which is not installed here)
     from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
@@ -318,6 +326,11 @@ def test_cpu_patches_refuse_changed_targets(stock_cpu):
     stock_cpu.setattr(transformer_impl.FSDPEngine, "_build_fsdp_module", lambda self, module, mesh: module)
     with pytest.raises(PatchError, match=r"_build_fsdp_module\(self, module, mesh\) is not \(self, module\)"):
         cpu_slow_rank.apply()
+    from verl.utils import ulysses
+
+    stock_cpu.setattr(ulysses, "gather_seq_scatter_heads", lambda x, seq_dim, head_dim, group=None: x)
+    with pytest.raises(PatchError, match=r"gather_seq_scatter_heads\(x, seq_dim, head_dim, group\) is not"):
+        cpu_ulysses_sdpa.apply()
 
 
 def test_the_slow_rank_patch_finds_the_decoder_layers_of_actor_and_critic_models():
