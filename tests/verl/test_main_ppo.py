@@ -60,10 +60,11 @@ class Trained:
         assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
 
 
-def train(out, assets, name: str, strategy: str, steps: int, overrides=(), timeout_s=RUN_TIMEOUT_S) -> Trained:
+def train(out, assets, name: str, strategy: str, steps: int, overrides=(), timeout_s=RUN_TIMEOUT_S,
+          ranks: int = RANKS) -> Trained:
     run_dir = out / name
     run_dir.mkdir(exist_ok=True)
-    args = grpo.run_args(grpo.settings(assets, RANKS, steps, str(run_dir)), strategy, list(overrides),
+    args = grpo.run_args(grpo.settings(assets, ranks, steps, str(run_dir)), strategy, list(overrides),
                          str(run_dir / f"{strategy}.jsonl"))
     result = grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None)
     # a record of every e2e run's cost, next to the runs
@@ -307,6 +308,18 @@ def test_ppo_with_an_moe_critic_under_odc(out, moe_assets):
     run.assert_ok(1)
     metrics = run.metrics[1]
     assert metrics["critic/grad_norm"] > 0 and "critic/odc/moe/routing_divergence" in metrics
+
+
+ULYSSES = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+           "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", *KL_LOSS]
+
+
+def test_grpo_ulysses_4_ranks_first_step_equals_fsdp2(out, assets):
+    """4 training ranks as 2 sequence-parallel groups of 2 (actor and reference, the KL loss on so the
+    reference runs), verl's Ulysses path (heads exchanged under SDPA on CPU: patches/cpu_ulysses_sdpa.py)."""
+    runs = {s: train(out, assets, "grpo-ulysses", s, 1, ULYSSES, ranks=4) for s in grpo.STRATEGIES}
+    _first_step_agrees(runs)
+    assert "odc: ODCEngineWithLMHead on 4 ranks over ShmTransport" in runs["odc"].log()
 
 
 # ---------------------------------------------------------------------------------------------
