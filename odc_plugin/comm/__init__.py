@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .base import ODCTimeoutError, Region, Transport
+from .base import ODCPeerFailedError, ODCTimeoutError, Region, Transport
 
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "nvshmem")
 
@@ -36,4 +36,4 @@ def make_transport(kind: str = "auto", group: dist.ProcessGroup | None = None, *
     return NvshmemTransport(group, **options)
 
 
-__all__ = ["ODCTimeoutError", "Region", "Transport", "TRANSPORTS", "make_transport"]
+__all__ = ["ODCPeerFailedError", "ODCTimeoutError", "Region", "Transport", "TRANSPORTS", "make_transport"]

@@ -22,6 +22,14 @@ class ODCTimeoutError(RuntimeError):
     """A rank waited longer than the barrier timeout; names the ranks that never arrived."""
 
 
+class ODCPeerFailedError(RuntimeError):
+    """A peer announced that its mini-batch failed (`Transport.fail`); names it and what it raised."""
+
+
+# A failure notice: a count of the failures a rank announced, then up to 8 * 63 bytes of their message.
+FAILURE_NOTICE_WORDS = 64
+
+
 def poll(ready: Callable[[], bool], timeout_s: float, error: Callable[[], str]) -> None:
     """Call `ready` with growing pauses (10 us to 1 ms) until it returns True; after `timeout_s` raise
     ODCTimeoutError with the message `error()` builds then (it may name what is still missing)."""
@@ -50,6 +58,14 @@ class Transport(abc.ABC):
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
+        # Transports that set up a failure notice (`_alloc_failure_notices`) let a failing rank tell its
+        # peers at once; the others leave them to time out.
+        self._failures: Region | None = None
+        self._failures_seen = [0] * world_size
+
+    def _alloc_failure_notices(self) -> None:
+        """Collective, at set-up: one failure notice per rank (see `fail`)."""
+        self._failures = self.alloc("odc.failure", FAILURE_NOTICE_WORDS, torch.int64)
 
     @abc.abstractmethod
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
@@ -101,9 +117,41 @@ class Transport(abc.ABC):
 
     def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
         """Return once `waiting_on()` is None; until then it names a peer whose flag this rank still waits
-        for. Raises ODCTimeoutError(error()) after `timeout_s`. Between checks the rank sleeps (here with
-        growing pauses; a transport that can be woken sleeps until that peer changes a flag)."""
-        poll(lambda: waiting_on() is None, timeout_s, error)
+        for. Raises ODCTimeoutError(error()) after `timeout_s`, and ODCPeerFailedError as soon as a peer
+        announces a failure (`fail`). Between checks the rank sleeps (here with growing pauses; a transport
+        that can be woken sleeps until that peer changes a flag)."""
+        def ready() -> bool:
+            self.raise_if_a_peer_failed()
+            return waiting_on() is None
+
+        poll(ready, timeout_s, error)
+
+    def fail(self, message: str) -> None:
+        """Announce that this rank's mini-batch failed with `message`: every peer waiting for it, now or
+        later, raises ODCPeerFailedError naming this rank and the message. A no-op on transports without
+        failure notices."""
+        if self._failures is None:
+            return
+        room = 8 * (FAILURE_NOTICE_WORDS - 1)
+        text = message.encode("utf-8", errors="replace")[:room].ljust(room, b"\0")
+        self._failures.local[1:] = torch.frombuffer(bytearray(text), dtype=torch.int64).to(self._failures.local.device)
+        self.signal(self._failures, 0, int(self._failures.local[0]) + 1)
+
+    def raise_if_a_peer_failed(self) -> None:
+        """Raise ODCPeerFailedError for a failure a peer announced since this rank last saw one of its."""
+        if self._failures is None:
+            return
+        notice = torch.empty(FAILURE_NOTICE_WORDS, dtype=torch.int64, device=self._failures.local.device)
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            self.get(self._failures, peer, 0, notice[:1])
+            count = int(notice[0])
+            if count > self._failures_seen[peer]:
+                self._failures_seen[peer] = count
+                self.get(self._failures, peer, 0, notice)
+                message = notice[1:].cpu().numpy().tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
+                raise ODCPeerFailedError(f"rank {self.rank}: rank {peer} failed in its mini-batch: {message}")
 
     def signal(self, region: Region, offset: int, value: int) -> None:
         """Set an int64 flag in this rank's own slice, after every transfer this rank issued before it;

@@ -69,6 +69,7 @@ class ShmTransport(Transport):
         self._thread_lock = threading.Lock()
         self._doorbells = self.alloc("odc.doorbell", 1, torch.int32)
         self._arrivals = self.alloc("odc.barrier", 1, torch.int64)
+        self._alloc_failure_notices()
         self._epoch = 0
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
@@ -135,7 +136,10 @@ class ShmTransport(Transport):
     def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout_s
         bells = self._peer_tensors["odc.doorbell"]
-        while (peer := waiting_on()) is not None:
+        while True:
+            self.raise_if_a_peer_failed()
+            if (peer := waiting_on()) is None:
+                return
             # Read the doorbell before checking again: a flag raised after that check also rings after
             # the read, so the sleep below returns at once instead of missing it.
             rung = int(bells[peer][0])

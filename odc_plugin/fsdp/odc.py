@@ -206,8 +206,26 @@ class OnDemandComm:
     @contextlib.contextmanager
     def minibatch(self, backward: bool = True):
         self.begin(backward)
-        yield self
+        try:
+            yield self
+        except BaseException as error:
+            self.abort(error)
+            raise
         self.end()
+
+    def abort(self, error: BaseException) -> None:
+        """End a mini-batch that raised `error` on this rank: tell the peers (each fails at once, naming
+        this rank and the error, instead of waiting out the barrier timeout) and return to idle, so that a
+        caller that handles the error may begin() again. The gradients of the failed mini-batch are lost
+        on every rank; a retry has to begin a new mini-batch on all of them."""
+        if not self.in_minibatch:
+            return
+        self.in_minibatch = False
+        self.transport.fail(f"{type(error).__name__}: {error}")
+        for scatter in self._scatters:
+            scatter.discard()
+        fsdp_internals.reset_to_idle(self._modules_and_groups)
+        self.grads.local.zero_()
 
     @torch.no_grad()
     def _take_gradients(self) -> None:
@@ -305,6 +323,10 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
         # FSDP adds the output into `.grad`; the real gradient arrives from the accumulator at end().
         output_tensor.zero_()
         return None
+
+    def discard(self) -> None:
+        """Drop a reduce-scatter a failed mini-batch left half reported."""
+        self._input, self._reduced, self._covered = None, [], 0
 
     def check_sent(self) -> None:
         if self._input is not None:

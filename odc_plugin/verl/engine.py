@@ -107,20 +107,21 @@ class _ODCEngineMixin:
         clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
         if self.expert_routing is not None:
             self.expert_routing.take()  # count this mini-batch's routing only
-        self.odc.begin(backward=not forward_only)
-        for i, micro_batch in enumerate(micro_batches):
-            clock.start(micro_batch)
-            last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=last)
-            with torch.no_grad() if forward_only else contextlib.nullcontext(), sync:
-                loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
-                if not forward_only:
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                    if not return_model_output:
-                        meta.pop("model_output", None)  # keeping every micro-batch's logits would pile up
-            clock.stop()
-            outputs.append(meta)
-        stats = self.odc.end()
+        # a micro-batch that raises ends the mini-batch on every rank at once (OnDemandComm.abort)
+        with self.odc.minibatch(backward=not forward_only):
+            for i, micro_batch in enumerate(micro_batches):
+                clock.start(micro_batch)
+                last = i == len(micro_batches) - 1
+                sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=last)
+                with torch.no_grad() if forward_only else contextlib.nullcontext(), sync:
+                    loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+                    if not forward_only:
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                        if not return_model_output:
+                            meta.pop("model_output", None)  # keeping every micro-batch's logits would pile up
+                clock.stop()
+                outputs.append(meta)
+        stats = self.odc.last_stats
 
         output = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
         _one_value_per_rank(output["metrics"])

@@ -141,6 +141,20 @@ def test_moe_with_an_expert_one_rank_routes_nothing_to_equals_single_process_ada
         torch.testing.assert_close(results[0][0][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_an_exception_in_a_minibatch_fails_the_peers_at_once_and_the_rank_can_begin_again():
+    seqs = workers.make_sequences(9, seed=5)
+    plan = random_plan(len(seqs), [2, 1, 2], seed=5)
+    results = run_ranks(workers.raise_mid_minibatch, 3, seqs, plan, 1)
+    outcome, _, retried = results[1]
+    assert outcome == "RuntimeError: simulated out of memory" and retried
+    for rank in (0, 2):
+        outcome, elapsed, _ = results[rank]
+        assert outcome == (f"ODCPeerFailedError: rank {rank}: rank 1 failed in its mini-batch: RuntimeError: "
+                           f"simulated out of memory"), outcome
+        assert elapsed < 5, elapsed  # not the 600 s barrier timeout
+    print(f"peers failed after {results[0][1]:.2f} s and {results[2][1]:.2f} s")
+
+
 def test_no_collective_between_begin_and_end():
     seqs = workers.make_sequences(8, seed=4)
     plan = random_plan(len(seqs), [2, 2], seed=4)

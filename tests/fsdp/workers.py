@@ -353,3 +353,31 @@ def cpu_while_waiting(rank, world_size, late_s):
     odc.end()
     spent["barrier"] = (time.process_time() - cpu, time.perf_counter() - wall)
     return spent
+
+
+def raise_mid_minibatch(rank, world_size, seqs, plan, culprit):
+    """Rank `culprit` raises inside `minibatch()` (an out-of-memory its caller could catch and retry);
+    the barrier timeout stays at its default, 600 s. Returns what each rank saw, how long it took, and on
+    the culprit whether a new begin() is accepted afterwards."""
+    import time
+
+    model = sharded_model(rank, world_size)
+    odc = apply_odc(model, make_transport("shm"))
+    global_tokens = count_targets(seqs)
+    start = time.monotonic()
+    try:
+        with odc.minibatch():
+            for mb in plan[rank]:
+                loss = token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size)
+                if rank == culprit:
+                    raise RuntimeError("simulated out of memory")
+                loss.backward()
+        outcome = "finished"
+    except Exception as e:  # noqa: BLE001  (what each rank raised is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    retried = None
+    if rank == culprit:
+        odc.begin()
+        retried = odc.in_minibatch
+    return outcome, elapsed, retried
