@@ -29,10 +29,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from odc_plugin.balance import get_cost_model, lb_mini
+from odc_plugin.demo.rows import (
+    FACTORS,
+    ROWS,
+    build_rows,
+    factors,
+    infer_minibatch,
+    plan_of,
+    train_minibatch,
+    turn_order,
+)
 from odc_plugin.launch import run_ranks
 from odc_plugin.models import MODEL_SIZES, build_qwen2, qwen2_config, shard_qwen2, token_mean_loss
-from odc_plugin.demo.rows import (FACTORS, ROWS, build_rows, factors, infer_minibatch, plan_of, train_minibatch,
-                                  turn_order)
 
 TRANSPORT = {"cpu": "shm", "cuda": "cuda_ipc"}
 
@@ -60,12 +68,16 @@ def rank_body(rank, world, size, steps, micro_batches, base_len, skew, device, m
     global_tokens = sum(lengths) - len(lengths)  # next-token targets over all ranks
     times = {row: [] for row in ROWS}
     for step in range(steps + 1):  # step 0 warms up
-        seqs = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 * step + i)).to(device)
-                for i, n in enumerate(lengths)]
+        seqs = [
+            torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 * step + i)).to(device)
+            for i, n in enumerate(lengths)
+        ]
         for row in turn_order(step):
             model = rows[row].model
-            losses = [lambda mb=mb, m=model: token_mean_loss(m, [seqs[i] for i in mb], global_tokens, world)
-                      for mb in plans[plan_of(row)][rank]]
+            losses = [
+                lambda mb=mb, m=model, s=seqs: token_mean_loss(m, [s[i] for i in mb], global_tokens, world)
+                for mb in plans[plan_of(row)][rank]
+            ]
             run = infer_minibatch if forward_only else train_minibatch
             elapsed = run(rows[row], losses, device)["step_s"]
             if step:
@@ -86,23 +98,43 @@ def main():
     p.add_argument("--forward-only", action="store_true", help="also a balanced case of forward-only mini-batches")
     args = p.parse_args()
     if args.device == "cuda" and args.ranks > torch.cuda.device_count():
-        p.error(f"--device cuda runs one rank per GPU: {args.ranks} ranks need {args.ranks} GPUs, "
-                f"found {torch.cuda.device_count()}")
+        p.error(
+            f"--device cuda runs one rank per GPU: {args.ranks} ranks need {args.ranks} GPUs, "
+            f"found {torch.cuda.device_count()}"
+        )
     if min(args.skews) < 1:
         p.error(f"--skews must be >= 1, got {args.skews}")
     where = "CPU ranks x 1 thread" if args.device == "cpu" else f"GPU ranks ({torch.cuda.get_device_name()})"
-    print(f"{args.ranks} {where}, model '{args.model_size}'{' bf16/fp32' if args.mixed_precision else ''}, "
-          f"{args.micro_batches} micro-batches per rank, base length {args.base_len}, {args.steps} timed "
-          "mini-batches per row")
+    print(
+        f"{args.ranks} {where}, model '{args.model_size}'{' bf16/fp32' if args.mixed_precision else ''}, "
+        f"{args.micro_batches} micro-batches per rank, base length {args.base_len}, {args.steps} timed "
+        "mini-batches per row"
+    )
     names = [name for name, rows in FACTORS.items() if set(rows) <= set(ROWS)]  # the four rows' factors
     print(f"{'case':<28}" + "".join(f"{row:>19}" for row in ROWS) + "".join(f"{name:>17}" for name in names))
     backend = "nccl" if args.device == "cuda" else "gloo"
     cases = [(skew, False) for skew in args.skews] + ([(1, True)] if args.forward_only else [])
     for skew, forward_only in cases:
-        times = run_ranks(rank_body, args.ranks, args.model_size, args.steps, args.micro_batches,
-                          args.base_len, skew, args.device, args.mixed_precision, forward_only, backend=backend)[0]
-        label = ("forward-only, balanced" if forward_only else
-                 f"skew {skew}x per micro-batch" if skew > 1 else "balanced (overhead)")
+        times = run_ranks(
+            rank_body,
+            args.ranks,
+            args.model_size,
+            args.steps,
+            args.micro_batches,
+            args.base_len,
+            skew,
+            args.device,
+            args.mixed_precision,
+            forward_only,
+            backend=backend,
+        )[0]
+        label = (
+            "forward-only, balanced"
+            if forward_only
+            else f"skew {skew}x per micro-batch"
+            if skew > 1
+            else "balanced (overhead)"
+        )
         medians = "".join(f"{statistics.median(times[row]):>19.3f}" for row in ROWS)
         print(f"{label:<28}{medians}" + "".join(f"{f:>16.3f}x" for f in factors(times).values()))
     print("s/step medians per row; factors are medians of per-mini-batch ratios (odc+lb_mini: over lockstep)")

@@ -78,8 +78,10 @@ def rank_body(rank, world, nbytes, iters):
             fn()
         t.barrier(600.0)  # synchronizes the device, then waits for every rank
         result[name] = (time.perf_counter() - start) / iters
-    ok = all(torch.equal(out[p * shard : (p + 1) * shard].cpu(), torch.full((shard,), p, dtype=torch.uint8))
-             for p in range(world))
+    ok = all(
+        torch.equal(out[p * shard : (p + 1) * shard].cpu(), torch.full((shard,), p, dtype=torch.uint8))
+        for p in range(world)
+    )
     expected = float(world * (2 * iters + 2))  # every rank added 1.0 per call: warm-ups included
     result["correct"] = ok and bool(acc.local.eq(expected).all().item())
     t.close()
@@ -93,8 +95,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_transport_gpu.py measures GPU transports: this machine has no CUDA GPU "
-                 "(torch.cuda.is_available() is False). Nothing was measured.")
+        sys.exit(
+            "bench_transport_gpu.py measures GPU transports: this machine has no CUDA GPU "
+            "(torch.cuda.is_available() is False). Nothing was measured."
+        )
     if importlib.util.find_spec("triton") is None:
         sys.exit("bench_transport_gpu.py needs Triton (install the plugin's `gpu` extra). Nothing was measured.")
     from odc_plugin.launch import run_ranks
@@ -111,15 +115,19 @@ def main() -> None:
     gather_s = max(r["gather"] for r in results)
     ipc_bw = world * nbytes / gather_s / 1e9  # every rank gathered the whole buffer
     copy_bw = nbytes / ref["copy_s"] / 1e9
-    print(f"gather : {ipc_bw:8.1f} GB/s aggregate ({gather_s * 1e3:.2f} ms per gather of {gib:.2f} GiB per rank); "
-          f"torch D2D copy {copy_bw:.1f} GB/s; ratio transport/torch = {ipc_bw / copy_bw:.3f}")
+    print(
+        f"gather : {ipc_bw:8.1f} GB/s aggregate ({gather_s * 1e3:.2f} ms per gather of {gib:.2f} GiB per rank); "
+        f"torch D2D copy {copy_bw:.1f} GB/s; ratio transport/torch = {ipc_bw / copy_bw:.3f}"
+    )
     for dtype, key, ref_key in (("fp32", "acc_fp32", "add_fp32_s"), ("bf16", "acc_bf16", "add_bf16_s")):
         elem = 4 if dtype == "fp32" else 2
         acc_s = max(r[key] for r in results)
         acc_bw = world * world * (nbytes // world // 4) * elem / acc_s / 1e9  # source bytes added, all ranks
         add_bw = (nbytes // 4) * elem / ref[ref_key] / 1e9
-        print(f"accumulate {dtype}: {acc_bw:8.1f} GB/s of source aggregate ({acc_s * 1e3:.2f} ms per round); "
-              f"torch local add_ {add_bw:.1f} GB/s; ratio transport/torch = {acc_bw / add_bw:.3f}")
+        print(
+            f"accumulate {dtype}: {acc_bw:8.1f} GB/s of source aggregate ({acc_s * 1e3:.2f} ms per round); "
+            f"torch local add_ {add_bw:.1f} GB/s; ratio transport/torch = {acc_bw / add_bw:.3f}"
+        )
 
 
 if __name__ == "__main__":

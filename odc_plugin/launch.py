@@ -17,14 +17,14 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing import reduction
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 
 # What every rank imports anyway; nothing here may import verl, which a rank's `setup` must precede.
 _PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.models.qwen2.modeling_qwen2"]
@@ -101,9 +101,17 @@ def _write_where_the_launcher_writes(stdout: int, stderr: int) -> None:
 def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, backend, launcher, stdio):
     _die_with_launcher(launcher)
     _write_where_the_launcher_writes(*stdio)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
-                      MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -120,9 +128,16 @@ def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, b
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600.0,
-              pg_timeout_s: float = 120.0, failure_grace_s: float = 30.0,
-              setup: Callable[[], None] | None = None, backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    timeout_s: float = 600.0,
+    pg_timeout_s: float = 120.0,
+    failure_grace_s: float = 30.0,
+    setup: Callable[[], None] | None = None,
+    backend: str = "gloo",
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return the per-rank results.
 
     `fn` must be importable (a module-level function); `setup`, if given, runs in each rank before the
@@ -135,10 +150,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process starts its fork server
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(_by_name(fn), r, world_size, port, out_dir, args, pg_timeout_s, setup, backend,
-                                   os.getpid(), (_LauncherFd(1), _LauncherFd(2))))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                daemon=True,
+                args=(
+                    _by_name(fn),
+                    r,
+                    world_size,
+                    port,
+                    out_dir,
+                    args,
+                    pg_timeout_s,
+                    setup,
+                    backend,
+                    os.getpid(),
+                    (_LauncherFd(1), _LauncherFd(2)),
+                ),
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -166,6 +197,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
         if failed:
             r, res = failed[0]
             others = ", ".join(f"rank {q}: {e['error']}" for q, e in failed[1:])
-            raise RankFailed(f"rank {r} failed: {res['error']}" + (f" (also {others})" if others else "")
-                             + f"\n{res['traceback']}")
+            raise RankFailed(
+                f"rank {r} failed: {res['error']}" + (f" (also {others})" if others else "") + f"\n{res['traceback']}"
+            )
         return [res["result"] for res in results]

@@ -89,12 +89,15 @@ def build_qwen3_moe(seed: int = 0, **overrides) -> nn.Module:
 
     _register_packed_attention()
     size = MODEL_SIZES["tiny"]
-    config = Qwen3MoeConfig(**{**size.__dict__, "head_dim": size.hidden_size // size.num_attention_heads, **TINY_MOE,
-                               **overrides},
-                            max_position_embeddings=32768, tie_word_embeddings=True,
-                            attn_implementation=_PACKED_ATTENTION, torch_dtype="float32",
-                            # grouped_mm wants 16-byte strides, which tiny's odd sizes do not have
-                            experts_implementation="eager")
+    config = Qwen3MoeConfig(
+        **{**size.__dict__, "head_dim": size.hidden_size // size.num_attention_heads, **TINY_MOE, **overrides},
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        attn_implementation=_PACKED_ATTENTION,
+        torch_dtype="float32",
+        # grouped_mm wants 16-byte strides, which tiny's odd sizes do not have
+        experts_implementation="eager",
+    )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config).float()
 
@@ -144,8 +147,9 @@ def shard_qwen2(model: nn.Module, mesh: DeviceMesh | None = None, mp_policy: Mix
     return model
 
 
-def packed_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            position_ids=None, **kwargs):
+def packed_causal_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, **kwargs
+):
     """Causal attention over sequences packed into one row, each attending only to itself.
 
     verl trains padding-free: a micro-batch is its sequences concatenated, with position ids restarting
@@ -159,8 +163,9 @@ def packed_causal_attention(module, query, key, value, attention_mask, scaling=N
     for a, b in zip(starts[:-1], starts[1:]):
         k = key[:, :, a:b].repeat_interleave(repeat, dim=1)
         v = value[:, :, a:b].repeat_interleave(repeat, dim=1)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True,
-                                                                      scale=scaling))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling)
+        )
     return torch.cat(outs, dim=2).transpose(1, 2), None
 
 

@@ -36,6 +36,7 @@ class ExpertRouting:
                 self.counts = self.counts.to(indices.device)
             # index_add_, not bincount: bincount reads the largest index back, a GPU sync in every layer
             self.counts[layer].index_add_(0, indices, torch.ones_like(indices))
+
         return count
 
     def take(self) -> torch.Tensor:

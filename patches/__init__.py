@@ -16,8 +16,14 @@ PATCHED_VERL_VERSION = "0.9.1"
 # Patch modules, applied in this order.
 PATCHES: tuple[str, ...] = ("lb_mini_worker", "lb_mini_dispatch")
 # What verl needs to run without an accelerator: applied only with VERL_PLATFORM=cpu.
-CPU_PATCHES: tuple[str, ...] = ("cpu_process_group", "cpu_offload_unpinned", "cpu_valuehead_attn",
-                                "hf_rollout_registry", "cpu_slow_rank", "cpu_ulysses_sdpa")
+CPU_PATCHES: tuple[str, ...] = (
+    "cpu_process_group",
+    "cpu_offload_unpinned",
+    "cpu_valuehead_attn",
+    "hf_rollout_registry",
+    "cpu_slow_rank",
+    "cpu_ulysses_sdpa",
+)
 
 
 class PatchError(RuntimeError):

@@ -28,14 +28,20 @@ def apply() -> None:
     if getattr(current, "_odc_patched", False):
         return
     if current is not require_attr(distributed, "initialize_global_process_group_ray", NAME):
-        raise PatchError(f"odc patch '{NAME}': engine_workers.initialize_global_process_group_ray is not "
-                         f"verl.utils.distributed's any more")
+        raise PatchError(
+            f"odc patch '{NAME}': engine_workers.initialize_global_process_group_ray is not "
+            f"verl.utils.distributed's any more"
+        )
     if list(inspect.signature(current).parameters) != ["timeout_second", "backend"]:
-        raise PatchError(f"odc patch '{NAME}': initialize_global_process_group_ray{inspect.signature(current)} "
-                         f"is not (timeout_second, backend)")
+        raise PatchError(
+            f"odc patch '{NAME}': initialize_global_process_group_ray{inspect.signature(current)} "
+            f"is not (timeout_second, backend)"
+        )
     if "cpu:gloo," not in "".join(c for c in current.__code__.co_consts if isinstance(c, str)):
-        raise PatchError(f"odc patch '{NAME}': initialize_global_process_group_ray no longer builds "
-                         f"'cpu:gloo,<device>:<backend>'; re-check whether CPU still needs this patch")
+        raise PatchError(
+            f"odc patch '{NAME}': initialize_global_process_group_ray no longer builds "
+            f"'cpu:gloo,<device>:<backend>'; re-check whether CPU still needs this patch"
+        )
 
     @functools.wraps(current)
     def initialize_global_process_group_ray(timeout_second=None, backend=None):

@@ -41,8 +41,9 @@ def apply() -> None:
     if getattr(build, "_odc_patched", False):
         return
     if list(inspect.signature(build).parameters) != ["self", "module"]:
-        raise PatchError(f"odc patch '{NAME}': FSDPEngine._build_fsdp_module{inspect.signature(build)} is not "
-                         f"(self, module)")
+        raise PatchError(
+            f"odc patch '{NAME}': FSDPEngine._build_fsdp_module{inspect.signature(build)} is not (self, module)"
+        )
 
     @functools.wraps(build)
     def _build_fsdp_module(self, module):

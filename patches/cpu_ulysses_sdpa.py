@@ -41,11 +41,14 @@ def apply() -> None:
     for name, params in _USES.items():
         found = list(inspect.signature(require_attr(ulysses, name, NAME)).parameters)
         if found != params:
-            raise PatchError(f"odc patch '{NAME}': verl.utils.ulysses.{name}({', '.join(found)}) is not "
-                             f"({', '.join(params)})")
+            raise PatchError(
+                f"odc patch '{NAME}': verl.utils.ulysses.{name}({', '.join(found)}) is not ({', '.join(params)})"
+            )
     if "sdpa" in inspect.getsource(require_attr(monkey_patch, "apply_monkey_patch", NAME)):
-        raise PatchError(f"odc patch '{NAME}': verl's apply_monkey_patch now mentions sdpa; re-check whether its "
-                         f"Ulysses path covers SDPA")
+        raise PatchError(
+            f"odc patch '{NAME}': verl's apply_monkey_patch now mentions sdpa; re-check whether its "
+            f"Ulysses path covers SDPA"
+        )
     current = AttentionInterface._global_mapping["sdpa"]
     if getattr(current, "_odc_patched", False):
         return
@@ -64,23 +67,25 @@ def ulysses_sdpa_attention(sdpa_attention_forward, ulysses):
         size = ulysses.get_ulysses_sequence_parallel_world_size(group)
         position_ids = kwargs.get("position_ids")
         if size == 1 or position_ids is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         # [batch, heads, seq/N, dim] -> [batch, heads/N, seq, dim]; kv heads repeated to the query's first,
         # so that every rank's share of query heads has its own kv heads
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        query, key, value = (ulysses.gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=group)
-                             for t in (query, key, value))
+        query, key, value = (
+            ulysses.gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=group) for t in (query, key, value)
+        )
         pieces = [torch.empty_like(position_ids) for _ in range(size)]
         dist.all_gather(pieces, position_ids.contiguous(), group=group)
         positions = torch.cat(pieces, dim=-1)  # [batch, seq]
         sequence = (positions == 0).cumsum(-1)
-        causal = torch.ones(positions.shape[-1], positions.shape[-1], dtype=torch.bool,
-                            device=positions.device).tril()
+        causal = torch.ones(positions.shape[-1], positions.shape[-1], dtype=torch.bool, device=positions.device).tril()
         mask = (sequence[:, :, None] == sequence[:, None, :]) & causal  # [batch, seq, seq]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling,
-                                             dropout_p=dropout if module.training else 0.0)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask[:, None], scale=scaling, dropout_p=dropout if module.training else 0.0
+        )
         # [batch, heads/N, seq, dim] -> [batch, seq/N, heads, dim], as transformers' sdpa returns it
         out = ulysses.gather_heads_scatter_seq(out.transpose(1, 2), head_dim=2, seq_dim=1, group=group)
         return out.contiguous(), None

@@ -28,11 +28,14 @@ def apply() -> None:
         return
     params = ["local_path", "torch_dtype", "model_config", "trust_remote_code"]
     if list(inspect.signature(current).parameters) != params:
-        raise PatchError(f"odc patch '{NAME}': load_valuehead_model{inspect.signature(current)} is not "
-                         f"({', '.join(params)})")
+        raise PatchError(
+            f"odc patch '{NAME}': load_valuehead_model{inspect.signature(current)} is not ({', '.join(params)})"
+        )
     if "flash_attention_2" not in current.__code__.co_consts:
-        raise PatchError(f"odc patch '{NAME}': load_valuehead_model no longer forces flash_attention_2; "
-                         f"re-check whether CPU still needs this patch")
+        raise PatchError(
+            f"odc patch '{NAME}': load_valuehead_model no longer forces flash_attention_2; "
+            f"re-check whether CPU still needs this patch"
+        )
 
     @functools.wraps(current)
     def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
@@ -42,8 +45,12 @@ def apply() -> None:
         if attn in (None, "flash_attention_2"):
             return current(local_path, torch_dtype, model_config, trust_remote_code)
         return AutoModelForTokenClassification.from_pretrained(
-            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
-            attn_implementation=attn, trust_remote_code=trust_remote_code)
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation=attn,
+            trust_remote_code=trust_remote_code,
+        )
 
     load_valuehead_model._odc_patched = True
     model_utils.load_valuehead_model = load_valuehead_model

@@ -80,8 +80,13 @@ _DISPATCHED = (
     ("TrainingWorker", "infer_batch", "train"),
 )
 # The trainer methods that carry a stage's plan into their worker call: (method, stage).
-_STAGES = (("_update_actor", "actor"), ("_update_critic", "critic"), ("_compute_old_log_prob", "old_log_prob"),
-           ("_compute_ref_log_prob", "ref_log_prob"), ("_compute_values", "values"))
+_STAGES = (
+    ("_update_actor", "actor"),
+    ("_update_critic", "critic"),
+    ("_compute_old_log_prob", "old_log_prob"),
+    ("_compute_ref_log_prob", "ref_log_prob"),
+    ("_compute_values", "values"),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,8 +104,10 @@ def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
     if not planned:
         return stock_dispatch(worker_group, *args, **kwargs)
     if len(args) + len(kwargs) != 1:
-        raise ValueError(f"odc: an update carrying an LB-Mini plan takes exactly one batch argument, got "
-                         f"{len(args)} positional and {sorted(kwargs)}")
+        raise ValueError(
+            f"odc: an update carrying an LB-Mini plan takes exactly one batch argument, got "
+            f"{len(args)} positional and {sorted(kwargs)}"
+        )
     # as verl's dispatch_lazy_compute_data_proto finds the ranks of the mesh
     if mesh_name not in worker_group._dispatch_info:
         worker_group._dispatch_info[mesh_name] = worker_group._query_dispatch_info(mesh_name)
@@ -144,8 +151,10 @@ def _dispatch_dicts():
             and dispatch.func is dispatch_lazy_compute_data_proto
             and dispatch.args == (mesh,)
         ):
-            raise PatchError(f"odc patch '{NAME}': {cls_name}.{method} is no longer dispatched by "
-                             f"dispatch_lazy_compute_data_proto on mesh '{mesh}'")
+            raise PatchError(
+                f"odc patch '{NAME}': {cls_name}.{method} is no longer dispatched by "
+                f"dispatch_lazy_compute_data_proto on mesh '{mesh}'"
+            )
         found.append((mode, mesh))
     return found
 
@@ -198,7 +207,8 @@ def _stage_settings(trainer, stage: str):
         # the actor engine's inference budget (engine_workers.py:619-624)
         settings = actor and actor.for_inference(
             roles.rollout.log_prob_max_token_len_per_gpu if actor.max_token_len else None,
-            None if actor.max_token_len else roles.rollout.log_prob_micro_batch_size_per_gpu)
+            None if actor.max_token_len else roles.rollout.log_prob_micro_batch_size_per_gpu,
+        )
     elif stage == "ref_log_prob" and roles.ref.get("strategy") == "odc":
         ref = roles.ref
         # what init_model gives the reference engine (engine_workers.py:545-584); the actor's fit, same model
@@ -232,8 +242,12 @@ def _stages_this_step(trainer):
     """(stage, settings, worker group, mesh) of the LB-Mini stages this step runs."""
     candidates = [("old_log_prob", trainer.actor_rollout_wg, "actor")]
     if trainer.use_reference_policy:
-        candidates.append(("ref_log_prob", *((trainer.actor_rollout_wg, "actor") if trainer.ref_in_actor
-                                              else (trainer.ref_policy_wg, "ref"))))
+        candidates.append(
+            (
+                "ref_log_prob",
+                *((trainer.actor_rollout_wg, "actor") if trainer.ref_in_actor else (trainer.ref_policy_wg, "ref")),
+            )
+        )
     if trainer.use_critic:
         candidates += [("values", trainer.critic_wg, "train"), ("critic", trainer.critic_wg, "train")]
     # the same condition verl's _get_required_batch_multiple pads for (trainer_base.py:1589-1606)
@@ -248,8 +262,13 @@ def _stages_this_step(trainer):
 
 
 # Where a stage's plan statistics go in the step's metrics.
-_METRICS_PREFIX = {"actor": "odc_balance", "critic": "odc_balance/critic", "old_log_prob": "odc_balance/old_log_prob",
-                   "ref_log_prob": "odc_balance/ref_log_prob", "values": "odc_balance/values"}
+_METRICS_PREFIX = {
+    "actor": "odc_balance",
+    "critic": "odc_balance/critic",
+    "old_log_prob": "odc_balance/old_log_prob",
+    "ref_log_prob": "odc_balance/ref_log_prob",
+    "values": "odc_balance/values",
+}
 
 
 def _wrap_balance_batch(stock):
@@ -273,7 +292,8 @@ def _wrap_balance_batch(stock):
             fit = settings.current_fit
             self._odc_lb_mini_plans[stage] = (
                 plan_payload(plan, keys),
-                fit and len(fit.speeds) == plan.dp_size and plan_seconds(plan, seqlens, fit))
+                fit and len(fit.speeds) == plan.dp_size and plan_seconds(plan, seqlens, fit),
+            )
             metrics.update(plan_metrics(plan, seqlens, settings.cost, _METRICS_PREFIX[stage]))
         return balanced
 
@@ -316,8 +336,10 @@ def _trainer_class():
     """verl's v1 PPOTrainer, checked; None (with TRAINER_SKIPPED set) when TransferQueue is missing."""
     global TRAINER_SKIPPED
     if importlib.util.find_spec("transfer_queue") is None:
-        TRAINER_SKIPPED = ("the TransferQueue package is not installed, so verl's v1 trainer cannot run here "
-                           "and there is nothing to patch")
+        TRAINER_SKIPPED = (
+            "the TransferQueue package is not installed, so verl's v1 trainer cannot run here "
+            "and there is nothing to patch"
+        )
         logger.warning("odc patch '%s': trainer part not applied: %s", NAME, TRAINER_SKIPPED)
         return None
     TRAINER_SKIPPED = None
@@ -331,12 +353,14 @@ def _trainer_class():
         if getattr(fn, "_odc_patched", False):
             continue
         if list(inspect.signature(fn).parameters) != params:
-            raise PatchError(f"odc patch '{NAME}': PPOTrainer.{name}{inspect.signature(fn)} is no longer "
-                             f"({', '.join(params)})")
+            raise PatchError(
+                f"odc patch '{NAME}': PPOTrainer.{name}{inspect.signature(fn)} is no longer ({', '.join(params)})"
+            )
         missing = [n for n in _TRAINER_USES[name] if n not in fn.__code__.co_names]
         if missing:
-            raise PatchError(f"odc patch '{NAME}': PPOTrainer.{name} no longer uses {missing}; it was rewritten, "
-                             f"re-check the patch")
+            raise PatchError(
+                f"odc patch '{NAME}': PPOTrainer.{name} no longer uses {missing}; it was rewritten, re-check the patch"
+            )
     return trainer
 
 

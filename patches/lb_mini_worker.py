@@ -39,19 +39,25 @@ def _original(current):
 
     attrs = getattr(current, MAGIC_ATTR, None)
     if not isinstance(attrs, dict) or not isinstance(attrs.get("dispatch_mode"), dict):
-        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch is no longer registered with a "
-                         f"dispatch function dict")
+        raise PatchError(
+            f"odc patch '{NAME}': TrainingWorker.train_mini_batch is no longer registered with a dispatch function dict"
+        )
     raw = getattr(getattr(current, "__wrapped__", None), "__wrapped__", None)
     if raw is None or getattr(raw, "__qualname__", "") != "TrainingWorker.train_mini_batch":
-        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch is not wrapped as "
-                         f"register(tqbridge(function)) any more")
+        raise PatchError(
+            f"odc patch '{NAME}': TrainingWorker.train_mini_batch is not wrapped as "
+            f"register(tqbridge(function)) any more"
+        )
     if list(inspect.signature(raw).parameters) != ["self", "data"]:
-        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch{inspect.signature(raw)} is not "
-                         f"(self, data)")
+        raise PatchError(
+            f"odc patch '{NAME}': TrainingWorker.train_mini_batch{inspect.signature(raw)} is not (self, data)"
+        )
     missing = [n for n in _ORIGINAL_USES if n not in raw.__code__.co_names]
     if missing:
-        raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_mini_batch no longer uses {missing}; "
-                         f"it was rewritten, re-check the patch")
+        raise PatchError(
+            f"odc patch '{NAME}': TrainingWorker.train_mini_batch no longer uses {missing}; "
+            f"it was rewritten, re-check the patch"
+        )
     return attrs, raw
 
 
@@ -127,8 +133,10 @@ def _train_by_counts(self, data, counts: list[int]):
     dataloader_kwargs = tu.pop(data, key="dataloader_kwargs", default={}) or {}
 
     if sum(counts) != data.shape[0] or min(counts, default=0) < 1:
-        raise ValueError(f"odc: this rank holds {data.shape[0]} samples but its mini-batch counts are {counts} "
-                         f"(every mini-batch needs at least one sample on every rank)")
+        raise ValueError(
+            f"odc: this rank holds {data.shape[0]} samples but its mini-batch counts are {counts} "
+            f"(every mini-batch needs at least one sample on every rank)"
+        )
     bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
     schedule = mini_batch_schedule(len(counts), epochs, seed, bool(dataloader_kwargs.get("shuffle", False)))
     group = self.engine.get_data_parallel_group()

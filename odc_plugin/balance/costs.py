@@ -125,11 +125,13 @@ class FlopsCost(CostModel):
             if getattr(self, f.name) < least:
                 raise ValueError(f"FlopsCost.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.moe_layers > self.num_hidden_layers:
-            raise ValueError(f"FlopsCost.moe_layers must be <= num_hidden_layers ({self.num_hidden_layers}), "
-                             f"got {self.moe_layers}")
+            raise ValueError(
+                f"FlopsCost.moe_layers must be <= num_hidden_layers ({self.num_hidden_layers}), got {self.moe_layers}"
+            )
         if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
-            raise ValueError("FlopsCost with moe_layers needs 0 < num_experts_per_tok <= num_experts and "
-                             "moe_intermediate_size >= 1")
+            raise ValueError(
+                "FlopsCost with moe_layers needs 0 < num_experts_per_tok <= num_experts and moe_intermediate_size >= 1"
+            )
 
     @classmethod
     def from_config(cls, config: str | Mapping[str, Any] | Any) -> FlopsCost:
@@ -163,10 +165,15 @@ class FlopsCost(CostModel):
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attention = 2 * h * q + 2 * h * kv
         dense_mlp = 3 * h * self.intermediate_size
-        moe_mlp = (3 * h * (self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size)
-                   + h * self.num_experts)  # the router
-        layers = (self.num_hidden_layers * attention + (self.num_hidden_layers - self.moe_layers) * dense_mlp
-                  + self.moe_layers * moe_mlp)
+        moe_mlp = (
+            3 * h * (self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size)
+            + h * self.num_experts
+        )  # the router
+        layers = (
+            self.num_hidden_layers * attention
+            + (self.num_hidden_layers - self.moe_layers) * dense_mlp
+            + self.moe_layers * moe_mlp
+        )
         return 2 * (layers + h * self.vocab_size)
 
     @property
@@ -186,10 +193,13 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, int]:
         return {}
     layers, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step") or 1)
     dense_only = set(config.get("mlp_only_layers") or ())
-    return {"num_experts": experts, "num_experts_per_tok": int(config["num_experts_per_tok"]),
-            "moe_intermediate_size": int(config.get("moe_intermediate_size") or config["intermediate_size"]),
-            "moe_layers": sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
-            "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_intermediate_size": int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        "moe_layers": sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
+        "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
+    }
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,7 @@ def lb_mini(
             by_group.setdefault(g, []).append(i)
         units = list(by_group.values())
     weights = [sum(costs[i] for i in unit) for unit in units]
-    clock = _RankClock(weights, [sum(lens[i] for i in unit) for unit in units], speeds, micro_batch_cost,
-                       max_token_len)
+    clock = _RankClock(weights, [sum(lens[i] for i in unit) for unit in units], speeds, micro_batch_cost, max_token_len)
     # Two starts, each refined, the better kept: differencing single units is the stronger start in general,
     # differencing sorted runs of dp_size units (what verl's equal-size partition does) the stronger when
     # there are only a few units per rank. Ranks of different speeds add a third, largest-first onto the
@@ -83,8 +82,9 @@ def lb_mini(
         shares = rank_shares(baseline)
         if len(shares) != dp_size or sorted(i for rank in shares for i in rank) != list(range(len(lens))):
             raise ValueError(f"the baseline plan must give each of the {len(lens)} samples to one of {dp_size} ranks")
-        kept = max(clock.time(r, sum(costs[i] for i in rank), sum(lens[i] for i in rank))
-                   for r, rank in enumerate(shares))
+        kept = max(
+            clock.time(r, sum(costs[i] for i in rank), sum(lens[i] for i in rank)) for r, rank in enumerate(shares)
+        )
         if clock.makespan(rank_units) > kept * (1 - min_gain):
             return [[list(mb) for mb in rank] for rank in baseline]
     return [_pack([i for u in unit_ids for i in units[u]], lens, costs, max_token_len) for unit_ids in rank_units]
@@ -121,8 +121,10 @@ class _RankClock:
         ranks: list[list[int]] = [[] for _ in self.speeds]
         weight, tokens = [0.0] * len(ranks), [0] * len(ranks)
         for u in sorted(range(len(self.weights)), key=lambda u: (-self.weights[u], u)):
-            r = min(range(len(ranks)), key=lambda r: (self.time(r, weight[r] + self.weights[u],
-                                                                tokens[r] + self.tokens[u]), r))
+            r = min(
+                range(len(ranks)),
+                key=lambda r: (self.time(r, weight[r] + self.weights[u], tokens[r] + self.tokens[u]), r),
+            )
             ranks[r].append(u)
             weight[r] += self.weights[u]
             tokens[r] += self.tokens[u]
@@ -221,8 +223,9 @@ def _max_subset_size(n: int) -> int:
     return size
 
 
-def _best_exchange(hi_units: list[int], lo_units: list[int], hi: int, lo: int, load, clock: _RankClock,
-                   give_size: int, take_size: int):
+def _best_exchange(
+    hi_units: list[int], lo_units: list[int], hi: int, lo: int, load, clock: _RankClock, give_size: int, take_size: int
+):
     """Units (give from hi, take from lo), at most give_size and take_size of them and give non-empty,
     after which both ranks finish before hi does now, by the largest margin found. Candidates are the take
     subsets whose weight is nearest to what would make the two ranks finish together."""
@@ -240,8 +243,10 @@ def _best_exchange(hi_units: list[int], lo_units: list[int], hi: int, lo: int, l
             if 0 <= k < len(take_sums):
                 w_take, take = take_options[k]
                 moved = sum(tokens[u] for u in give) - sum(tokens[u] for u in take)
-                later = max(clock.time(hi, w_hi - w_give + w_take, t_hi - moved),
-                            clock.time(lo, w_lo + w_give - w_take, t_lo + moved))
+                later = max(
+                    clock.time(hi, w_hi - w_give + w_take, t_hi - moved),
+                    clock.time(lo, w_lo + w_give - w_take, t_lo + moved),
+                )
                 if now - later > best_gain:
                     best, best_gain = (give, take), now - later
     return best

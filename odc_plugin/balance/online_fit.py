@@ -80,8 +80,14 @@ class TimeFit(CostModel):
         return (self.c + sum(self(s) for s in lengths)) / self.speeds[rank]
 
 
-def lb_mini_auto(seqlens: Sequence[int], dp_size: int, max_token_len: int, fit: TimeFit | None, prior: CostModel,
-                 baseline: RankPlan | None = None) -> RankPlan:
+def lb_mini_auto(
+    seqlens: Sequence[int],
+    dp_size: int,
+    max_token_len: int,
+    fit: TimeFit | None,
+    prior: CostModel,
+    baseline: RankPlan | None = None,
+) -> RankPlan:
     """LB-Mini with the `auto` cost: the fit's sequence costs, micro-batch cost and rank speeds, or the
     prior's costs while there is no fit yet; it leaves `baseline` (see lb_mini) only for more than the
     fit's error."""
@@ -89,8 +95,16 @@ def lb_mini_auto(seqlens: Sequence[int], dp_size: int, max_token_len: int, fit: 
         return lb_mini(seqlens, dp_size, max_token_len, cost=prior, baseline=baseline)
     if len(fit.speeds) != dp_size:
         raise ValueError(f"the auto cost was fitted for {len(fit.speeds)} ranks, the plan is for {dp_size}")
-    return lb_mini(seqlens, dp_size, max_token_len, cost=fit, rank_speed=fit.speeds, micro_batch_cost=fit.c,
-                   baseline=baseline, min_gain=fit.min_gain)
+    return lb_mini(
+        seqlens,
+        dp_size,
+        max_token_len,
+        cost=fit,
+        rank_speed=fit.speeds,
+        micro_batch_cost=fit.c,
+        baseline=baseline,
+        min_gain=fit.min_gain,
+    )
 
 
 def fit_micro_batch_times(timings: Sequence[MicroBatchTime], num_ranks: int, iterations: int = 4) -> TimeFit | None:
@@ -149,7 +163,9 @@ class OnlineTimeFit:
 
     def __init__(self, num_ranks: int, window: int = DEFAULT_WINDOW):
         if num_ranks < 1 or window < MIN_TIMINGS:
-            raise ValueError(f"OnlineTimeFit needs num_ranks >= 1 and window >= {MIN_TIMINGS}, got {num_ranks}, {window}")
+            raise ValueError(
+                f"OnlineTimeFit needs num_ranks >= 1 and window >= {MIN_TIMINGS}, got {num_ranks}, {window}"
+            )
         self.num_ranks = num_ranks
         self.timings: deque[MicroBatchTime] = deque(maxlen=window)
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)

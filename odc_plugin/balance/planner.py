@@ -86,8 +86,13 @@ class MiniBatchTime:
 
 
 def simulate_minibatch(
-    plan: RankPlan, costs: Sequence[float], *, lockstep: bool, model: StepTimeModel = StepTimeModel(),
-    comm_s: float | None = None, slowdown: Sequence[float] | None = None,
+    plan: RankPlan,
+    costs: Sequence[float],
+    *,
+    lockstep: bool,
+    model: StepTimeModel = StepTimeModel(),
+    comm_s: float | None = None,
+    slowdown: Sequence[float] | None = None,
 ) -> MiniBatchTime:
     """Time of one mini-batch run as `plan` (per rank, micro-batches of sample indices into costs);
     `comm_s`, when given, is each micro-batch's communication instead of the model's; `slowdown[r]`
@@ -176,8 +181,10 @@ def plan_table(
             for size in minibatch_sizes:
                 if size % dp:
                     continue
-                runs = [compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model)
-                        for d in range(draws)]
+                runs = [
+                    compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model)
+                    for d in range(draws)
+                ]
                 rows.append(
                     PlanRow(
                         dp,
@@ -307,8 +314,9 @@ def compare_cluster(
     compute = StepTimeModel(throughput=throughput)
     times = {}
     for scheme, plan, lockstep in (("fsdp_hsdp", micro, True), ("odc_hsdp", mini, False), ("odc_flat", mini, False)):
-        t = simulate_minibatch(plan, costs, lockstep=lockstep, model=compute,
-                               comm_s=cluster.micro_batch_comm(scheme, nodes))
+        t = simulate_minibatch(
+            plan, costs, lockstep=lockstep, model=compute, comm_s=cluster.micro_batch_comm(scheme, nodes)
+        )
         seconds = t.seconds + cluster.end_seconds(scheme, nodes)
         times[scheme] = MiniBatchTime(seconds, 1 - (1 - t.idle_fraction) * t.seconds / seconds)
     return times
@@ -336,15 +344,20 @@ def cluster_table(
         for size in minibatch_sizes:
             if size % (n * cluster.gpus_per_node):
                 continue
-            runs = [compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput)
-                    for d in range(draws)]
-            rows.append(ClusterRow(
-                n, cluster.gpus_per_node, size,
-                seconds={s: statistics.fmean(r[s].seconds for r in runs) for s in CLUSTER_SCHEMES},
-                idle_fraction={s: statistics.fmean(r[s].idle_fraction for r in runs) for s in CLUSTER_SCHEMES},
-                all_reduce_s=cluster.all_reduce_seconds(n),
-                flat_comm_s=cluster.micro_batch_comm("odc_flat", n),
-            ))
+            runs = [
+                compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput) for d in range(draws)
+            ]
+            rows.append(
+                ClusterRow(
+                    n,
+                    cluster.gpus_per_node,
+                    size,
+                    seconds={s: statistics.fmean(r[s].seconds for r in runs) for s in CLUSTER_SCHEMES},
+                    idle_fraction={s: statistics.fmean(r[s].idle_fraction for r in runs) for s in CLUSTER_SCHEMES},
+                    all_reduce_s=cluster.all_reduce_seconds(n),
+                    flat_comm_s=cluster.micro_batch_comm("odc_flat", n),
+                )
+            )
     return rows
 
 
@@ -424,15 +437,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--lengths", default="rl", help="rl, sft, or FILE.json / FILE.txt / FILE.parquet:COLUMN")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64], help="GPUs")
-    p.add_argument("--sp", type=int, nargs="+", default=[1], metavar="N",
-                   help="Ulysses sequence-parallel sizes (ulysses_sequence_parallel_size); rows per size")
+    p.add_argument(
+        "--sp",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="N",
+        help="Ulysses sequence-parallel sizes (ulysses_sequence_parallel_size); rows per size",
+    )
     p.add_argument("--minibatch-sizes", type=int, nargs="+", default=[256, 512, 1024], help="samples per mini-batch")
     p.add_argument("--max-token-len", type=int, help="ppo_max_token_len_per_gpu; default max(16384, longest)")
     p.add_argument("--cost", default="flops", choices=["tokens", "flops", "fit"])
     p.add_argument("--model", default="Qwen2.5-7B", choices=list(PRESETS), help="for --cost flops")
-    p.add_argument("--moe-flops", choices=["active", "total"], default="active",
-                   help="for --cost flops with an MoE model: a token's cost through its own experts (active, "
-                   "what it costs) or through all of them (total, as a dense model of that size)")
+    p.add_argument(
+        "--moe-flops",
+        choices=["active", "total"],
+        default="active",
+        help="for --cost flops with an MoE model: a token's cost through its own experts (active, "
+        "what it costs) or through all of them (total, as a dense model of that size)",
+    )
     p.add_argument("--fit-a", type=float, help="for --cost fit: a in a*s^2 + b*s")
     p.add_argument("--fit-b", type=float, help="for --cost fit: b in a*s^2 + b*s")
     p.add_argument(
@@ -446,13 +469,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--layer-comm-bytes", type=float, default=0.0, help="per layer and micro-batch; 0: compute only")
     p.add_argument("--num-layers", type=int, help="default: the model's for --cost flops and --fit-file")
-    p.add_argument("--intra-node-bw", type=float, default=NVLINK_BW,
-                   help="bytes/s per GPU and direction inside a node (default: ~80%% of H100 NVLink 4)")
-    p.add_argument("--inter-node-bw", type=float, default=IB_BW,
-                   help="bytes/s per GPU and direction across nodes (default: ~80%% of one 400 Gb/s IB NIC)")
+    p.add_argument(
+        "--intra-node-bw",
+        type=float,
+        default=NVLINK_BW,
+        help="bytes/s per GPU and direction inside a node (default: ~80%% of H100 NVLink 4)",
+    )
+    p.add_argument(
+        "--inter-node-bw",
+        type=float,
+        default=IB_BW,
+        help="bytes/s per GPU and direction across nodes (default: ~80%% of one 400 Gb/s IB NIC)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--nodes", type=int, nargs="+",
-                   help="compare FSDP-HSDP, ODC-HSDP and flat ODC on these node counts (instead of --ranks)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        nargs="+",
+        help="compare FSDP-HSDP, ODC-HSDP and flat ODC on these node counts (instead of --ranks)",
+    )
     p.add_argument("--model-params", type=float, help="for --nodes: parameters to communicate; default --model's")
     p.add_argument("--max-prompt-length", type=int, default=512, help="for --lengths rl")
     p.add_argument("--max-response-length", type=int, default=4096, help="for --lengths rl")
@@ -500,15 +535,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         max_token_len = args.max_token_len or max(16384, longest)
         if args.nodes:
-            cluster = ClusterModel(args.model_params or model_params(args.model), args.gpus_per_node,
-                                   args.intra_node_bw, args.inter_node_bw)
-            rows = cluster_table(draw, args.nodes, args.minibatch_sizes, max_token_len, cost, cluster,
-                                 model.throughput, args.draws, args.seed)
+            cluster = ClusterModel(
+                args.model_params or model_params(args.model),
+                args.gpus_per_node,
+                args.intra_node_bw,
+                args.inter_node_bw,
+            )
+            rows = cluster_table(
+                draw,
+                args.nodes,
+                args.minibatch_sizes,
+                max_token_len,
+                cost,
+                cluster,
+                model.throughput,
+                args.draws,
+                args.seed,
+            )
         else:
             if any(sp < 1 for sp in args.sp):
                 raise ValueError(f"--sp sizes must be >= 1, got {args.sp}")
-            rows = plan_table(draw, args.ranks, args.minibatch_sizes, max_token_len, cost, model, args.draws,
-                              args.seed, args.sp)
+            rows = plan_table(
+                draw, args.ranks, args.minibatch_sizes, max_token_len, cost, model, args.draws, args.seed, args.sp
+            )
     except ValueError as e:
         p.error(str(e))
     if args.nodes:
@@ -527,34 +576,58 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"time = cost / {model.throughput:g} per second"
         )
         if any(sp > 1 for sp in args.sp):
-            print("sp: Ulysses group size; 'per rank' is then per group, whose micro-batches hold sp x "
-                  "max_token_len tokens")
+            print(
+                "sp: Ulysses group size; 'per rank' is then per group, whose micro-batches hold sp x "
+                "max_token_len tokens"
+            )
         print(format_table(rows))
     if args.plot:
         plot(rows, args.plot, title=f"{args.lengths}, cost={args.cost}, max_token_len={max_token_len}")
 
 
-def _print_cluster(args, rows: Sequence[ClusterRow], cluster: ClusterModel, max_token_len: int,
-                   throughput: float) -> None:
+def _print_cluster(
+    args, rows: Sequence[ClusterRow], cluster: ClusterModel, max_token_len: int, throughput: float
+) -> None:
     if args.json:
-        print(json.dumps({"lengths": args.lengths, "cost": args.cost, "max_token_len": max_token_len,
-                          "cluster": asdict(cluster), "throughput": throughput,
-                          "rows": [asdict(r) | {"pick": r.pick} for r in rows]}))
+        print(
+            json.dumps(
+                {
+                    "lengths": args.lengths,
+                    "cost": args.cost,
+                    "max_token_len": max_token_len,
+                    "cluster": asdict(cluster),
+                    "throughput": throughput,
+                    "rows": [asdict(r) | {"pick": r.pick} for r in rows],
+                }
+            )
+        )
         return
-    print(f"lengths={args.lengths} cost={args.cost} max_token_len={max_token_len} draws={args.draws}; "
-          f"time = cost / {throughput:g} per second")
-    print(f"{cluster.model_params / 1e9:.2f}B parameters (bf16 gathers, fp32 gradients); per GPU and direction: "
-          f"{cluster.intra_node_bw / 1e9:g} GB/s inside a node, {cluster.inter_node_bw / 1e9:g} GB/s across nodes")
+    print(
+        f"lengths={args.lengths} cost={args.cost} max_token_len={max_token_len} draws={args.draws}; "
+        f"time = cost / {throughput:g} per second"
+    )
+    print(
+        f"{cluster.model_params / 1e9:.2f}B parameters (bf16 gathers, fp32 gradients); per GPU and direction: "
+        f"{cluster.intra_node_bw / 1e9:g} GB/s inside a node, {cluster.inter_node_bw / 1e9:g} GB/s across nodes"
+    )
     print(format_cluster_table(rows))
-    print("AR: ODC-HSDP's all-reduce across nodes per mini-batch; flat comm/mb: flat ODC's communication per "
-          "micro-batch (NVSHMEM's host-driven progress not modelled: its best case)")
+    print(
+        "AR: ODC-HSDP's all-reduce across nodes per mini-batch; flat comm/mb: flat ODC's communication per "
+        "micro-batch (NVSHMEM's host-driven progress not modelled: its best case)"
+    )
     picks = {r.pick for r in rows}
     if len(picks) == 1:
         pick = picks.pop()
-        how = {"fsdp_hsdp": "strategy=fsdp2 with fsdp_size", "odc_hsdp": "strategy=odc with fsdp_size",
-               "odc_flat": "strategy=odc with fsdp_size=-1 over"}[pick]
-        print(f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} = {cluster.gpus_per_node} GPUs per node)"
-              if pick != "odc_flat" else f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} NVSHMEM)")
+        how = {
+            "fsdp_hsdp": "strategy=fsdp2 with fsdp_size",
+            "odc_hsdp": "strategy=odc with fsdp_size",
+            "odc_flat": "strategy=odc with fsdp_size=-1 over",
+        }[pick]
+        print(
+            f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} = {cluster.gpus_per_node} GPUs per node)"
+            if pick != "odc_flat"
+            else f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} NVSHMEM)"
+        )
 
 
 if __name__ == "__main__":

@@ -101,8 +101,11 @@ class Transport(abc.ABC):
             self.get(region, peer, offset, flag)
             return None if int(flag.item()) >= value else peer
 
-        self.wait_until(waiting_on, timeout_s, lambda: f"rank {self.rank}: waited {timeout_s:g}s for {what}; "
-                                                       f"rank {peer} did not get there")
+        self.wait_until(
+            waiting_on,
+            timeout_s,
+            lambda: f"rank {self.rank}: waited {timeout_s:g}s for {what}; rank {peer} did not get there",
+        )
 
     def wait_for_arrivals(self, missing: Callable[[], list[int]], epoch: int, timeout_s: float) -> None:
         """Wait until `missing()` (the ranks not yet at barrier `epoch`) is empty; name them on timeout."""
@@ -112,14 +115,20 @@ class Transport(abc.ABC):
             last[:] = missing()
             return last[0] if last else None
 
-        self.wait_until(waiting_on, timeout_s, lambda: f"rank {self.rank}: ODC barrier #{epoch} timed out after "
-                                                       f"{timeout_s:g}s; rank(s) {last} did not arrive")
+        self.wait_until(
+            waiting_on,
+            timeout_s,
+            lambda: (
+                f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; rank(s) {last} did not arrive"
+            ),
+        )
 
     def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
         """Return once `waiting_on()` is None; until then it names a peer whose flag this rank still waits
         for. Raises ODCTimeoutError(error()) after `timeout_s`, and ODCPeerFailedError as soon as a peer
         announces a failure (`fail`). Between checks the rank sleeps (here with growing pauses; a transport
         that can be woken sleeps until that peer changes a flag)."""
+
         def ready() -> bool:
             self.raise_if_a_peer_failed()
             return waiting_on() is None

@@ -53,8 +53,10 @@ class CudaIpcTransport(Transport):
         hosts: list = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         if len(set(hosts)) > 1:
-            raise RuntimeError(f"the cuda_ipc transport needs every rank on one node, got {sorted(set(hosts))}; "
-                               "use 'nvshmem' (or 'auto') across nodes")
+            raise RuntimeError(
+                f"the cuda_ipc transport needs every rank on one node, got {sorted(set(hosts))}; "
+                "use 'nvshmem' (or 'auto') across nodes"
+            )
         self._own: dict[str, torch.Tensor] = {}
         self._peers: dict[str, list[torch.Tensor]] = {}
         self._barrier_stream = torch.cuda.Stream(self.device)

@@ -32,12 +32,26 @@ def wait(address: int, expected: int, timeout_s: float) -> None:
         return
     timeout_s = max(timeout_s, 0.0)
     ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAIT),
-                  ctypes.c_int(expected), ctypes.byref(ts), None, ctypes.c_int(0))
+    _libc.syscall(
+        ctypes.c_long(_SYS_FUTEX),
+        ctypes.c_void_p(address),
+        ctypes.c_int(_FUTEX_WAIT),
+        ctypes.c_int(expected),
+        ctypes.byref(ts),
+        None,
+        ctypes.c_int(0),
+    )
 
 
 def wake(address: int) -> None:
     """Wake every process sleeping on the int32 at `address`."""
     if _libc is not None:
-        _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
-                      ctypes.c_int(_WAKE_ALL), None, None, ctypes.c_int(0))
+        _libc.syscall(
+            ctypes.c_long(_SYS_FUTEX),
+            ctypes.c_void_p(address),
+            ctypes.c_int(_FUTEX_WAKE),
+            ctypes.c_int(_WAKE_ALL),
+            None,
+            None,
+            ctypes.c_int(0),
+        )

@@ -88,8 +88,9 @@ def store_release(flag: torch.Tensor, value: int) -> None:
     _store_release_kernel[(1,)](flag, int(value))
 
 
-def fold_slot(slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, header_bytes: int,
-              max_programs: int = 1024) -> None:
+def fold_slot(
+    slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, header_bytes: int, max_programs: int = 1024
+) -> None:
     """Add a staging slot's payload into the accumulator its header names (all read on the device).
 
     `slot` is uint8 (header, then payload); `acc_table` holds the accumulators' addresses (int64);
@@ -100,5 +101,6 @@ def fold_slot(slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, heade
     payload = slot[header_bytes:]
     nprog = max(1, min(triton.cdiv(max_numel, BLOCK), max_programs))
     rounds = triton.cdiv(max(max_numel, 1), nprog * BLOCK)
-    _fold_kernel[(nprog,)](hdr, payload.view(torch.float32), payload.view(torch.bfloat16), acc_table, nprog,
-                           ROUNDS=rounds, BLOCK=BLOCK)
+    _fold_kernel[(nprog,)](
+        hdr, payload.view(torch.float32), payload.view(torch.bfloat16), acc_table, nprog, ROUNDS=rounds, BLOCK=BLOCK
+    )

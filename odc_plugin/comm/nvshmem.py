@@ -84,8 +84,9 @@ class StagingConfig:
 
     def __post_init__(self):
         if self.slot_bytes <= HEADER_BYTES or self.slot_bytes % HEADER_BYTES:
-            raise ValueError(f"slot_bytes must be a multiple of {HEADER_BYTES} larger than {HEADER_BYTES}, "
-                             f"got {self.slot_bytes}")
+            raise ValueError(
+                f"slot_bytes must be a multiple of {HEADER_BYTES} larger than {HEADER_BYTES}, got {self.slot_bytes}"
+            )
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
 
@@ -124,10 +125,12 @@ def heap_too_small_message(needed: int, available: int, what: str) -> str:
     """`needed` counts everything this transport holds so far plus `what`; later regions add to it, so the
     suggestion rounds up to whole GiB."""
     suggest = f"{-(-needed // (1 << 30))}G"
-    return (f"NVSHMEM symmetric heap too small for {what}: ODC needs at least {needed} bytes "
-            f"({needed / (1 << 30):.2f} GiB) per GPU but NVSHMEM_SYMMETRIC_SIZE gives {available} bytes "
-            f"({available / (1 << 30):.2f} GiB). Set NVSHMEM_SYMMETRIC_SIZE={suggest} or more in every rank's "
-            "environment before it starts (staging can be shrunk with ODC_NVSHMEM_SLOT_BYTES / ODC_NVSHMEM_SLOTS)")
+    return (
+        f"NVSHMEM symmetric heap too small for {what}: ODC needs at least {needed} bytes "
+        f"({needed / (1 << 30):.2f} GiB) per GPU but NVSHMEM_SYMMETRIC_SIZE gives {available} bytes "
+        f"({available / (1 << 30):.2f} GiB). Set NVSHMEM_SYMMETRIC_SIZE={suggest} or more in every rank's "
+        "environment before it starts (staging can be shrunk with ODC_NVSHMEM_SLOT_BYTES / ODC_NVSHMEM_SLOTS)"
+    )
 
 
 def payload_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -145,8 +148,9 @@ def pack_slot(slot: torch.Tensor, offset: int, src: torch.Tensor, region_id: int
     nbytes = HEADER_BYTES + m * dtype.itemsize
     if nbytes > slot.numel():
         raise ValueError(f"{m} elements of {dtype} do not fit a slot of {slot.numel()} bytes")
-    header = torch.tensor([offset, m, DTYPE_CODES[dtype], region_id, 0, 0, 0, 0], dtype=torch.int64,
-                          pin_memory=slot.is_cuda)
+    header = torch.tensor(
+        [offset, m, DTYPE_CODES[dtype], region_id, 0, 0, 0, 0], dtype=torch.int64, pin_memory=slot.is_cuda
+    )
     # Pinned source + non_blocking: torch's host allocator keeps `header` alive until the copy ran.
     slot[:HEADER_BYTES].view(torch.int64).copy_(header, non_blocking=slot.is_cuda)
     slot[HEADER_BYTES:nbytes].view(dtype).copy_(src.reshape(-1))
@@ -158,8 +162,10 @@ def _import_nvshmem():
         import nvshmem.core as nvshmem_core
         from cuda.core import Buffer, Device
     except ImportError as e:
-        raise ImportError("the nvshmem transport needs nvshmem4py; install the plugin's `gpu` extra "
-                          "(pip install 'odc-verl[gpu]', which pulls nvshmem4py-cu13)") from e
+        raise ImportError(
+            "the nvshmem transport needs nvshmem4py; install the plugin's `gpu` extra "
+            "(pip install 'odc-verl[gpu]', which pulls nvshmem4py-cu13)"
+        ) from e
     return nvshmem_core, Buffer, Device
 
 
@@ -171,8 +177,10 @@ def _acquire_runtime(nv, Device, group, rank: int, world_size: int, device_index
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     if _RUNTIME["refs"]:
         if _RUNTIME["ranks"] != ranks:
-            raise RuntimeError(f"NVSHMEM is already running in this process over ranks {_RUNTIME['ranks']}; "
-                               f"it cannot also run over {ranks} (one NVSHMEM job per process)")
+            raise RuntimeError(
+                f"NVSHMEM is already running in this process over ranks {_RUNTIME['ranks']}; "
+                f"it cannot also run over {ranks} (one NVSHMEM job per process)"
+            )
         _RUNTIME["refs"] += 1
         return
     import numpy as np
@@ -199,8 +207,13 @@ class NvshmemTransport(Transport):
     """`loopback=True` sends this rank's own gets and accumulates through NVSHMEM as if it were a peer
     (bounce buffer, staging, signals, folds, credits): how one PE tests the remote paths."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, staging: StagingConfig | None = None,
-                 loopback: bool = False, stall_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        staging: StagingConfig | None = None,
+        loopback: bool = False,
+        stall_timeout_s: float = 600.0,
+    ):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         if not torch.cuda.is_available():
             raise RuntimeError("the nvshmem transport needs CUDA; on CPU use 'shm'")
@@ -317,8 +330,12 @@ class NvshmemTransport(Transport):
         for pos in range(0, total, step):
             m = min(step, total - pos)
             # Blocking get on the stream: the bytes are in the bounce buffer when the stream moves on.
-            self._nv.get(self._buf(self._bounce, 0, m), self._buf(base, start + pos, m), remote_pe=peer,
-                         stream=self._stream(stream))
+            self._nv.get(
+                self._buf(self._bounce, 0, m),
+                self._buf(base, start + pos, m),
+                remote_pe=peer,
+                stream=self._stream(stream),
+            )
             dst[pos : pos + m].copy_(self._bounce[:m])
         self._release("bounce", stream)
 
@@ -345,9 +362,15 @@ class NvshmemTransport(Transport):
             nbytes = pack_slot(self._outbox, offset + pos, src[pos : pos + m], self._acc_ids[region.name])
             slot_at = (self.rank * self.cfg.slots + k) * self.cfg.slot_bytes
             # One put carries header and payload; the signal (slot := q + 1) lands after both.
-            self._nv.put_signal(self._buf(self._stage, slot_at, nbytes), self._buf(self._outbox, 0, nbytes),
-                                self._word(self._SIG + self.rank * self.cfg.slots + k), q + 1,
-                                self._nv.SignalOp.SIGNAL_SET, remote_pe=peer, stream=self._stream(stream))
+            self._nv.put_signal(
+                self._buf(self._stage, slot_at, nbytes),
+                self._buf(self._outbox, 0, nbytes),
+                self._word(self._SIG + self.rank * self.cfg.slots + k),
+                q + 1,
+                self._nv.SignalOp.SIGNAL_SET,
+                remote_pe=peer,
+                stream=self._stream(stream),
+            )
             self._sent[peer] = q + 1
         self._release("outbox", stream)
 
@@ -361,9 +384,14 @@ class NvshmemTransport(Transport):
             self._credit[owner] = max(self._credit[owner], snap[self._CREDIT + owner])
             return q - self._credit[owner] < self.cfg.slots
 
-        poll(slot_free, self.stall_timeout_s,
-             lambda: f"rank {self.rank}: waited {self.stall_timeout_s:g}s for a free staging slot in rank {owner}; "
-                     f"rank {owner} is not folding its inbox (it is not calling the transport)")
+        poll(
+            slot_free,
+            self.stall_timeout_s,
+            lambda: (
+                f"rank {self.rank}: waited {self.stall_timeout_s:g}s for a free staging slot in rank {owner}; "
+                f"rank {owner} is not folding its inbox (it is not calling the transport)"
+            ),
+        )
 
     def _snapshot(self) -> list[int]:
         # A plain read of words that peers update: it may be stale, never ahead. Anything acted upon is
@@ -382,17 +410,30 @@ class NvshmemTransport(Transport):
             while snap[self._SIG + s * K + q % K] == q + 1:
                 k = q % K
                 with torch.cuda.stream(ps):
-                    self._nv.signal_wait(self._word(self._SIG + s * K + k), q + 1, self._nv.ComparisonType.CMP_GE,
-                                         stream=self._stream(ps))
+                    self._nv.signal_wait(
+                        self._word(self._SIG + s * K + k),
+                        q + 1,
+                        self._nv.ComparisonType.CMP_GE,
+                        stream=self._stream(ps),
+                    )
                     slot_at = (s * K + k) * self.cfg.slot_bytes
-                    self._kernels.fold_slot(self._stage[slot_at : slot_at + self.cfg.slot_bytes], self._acc_table,
-                                            self.cfg.payload_bytes // 2, HEADER_BYTES)
+                    self._kernels.fold_slot(
+                        self._stage[slot_at : slot_at + self.cfg.slot_bytes],
+                        self._acc_table,
+                        self.cfg.payload_bytes // 2,
+                        HEADER_BYTES,
+                    )
                 q += 1
             if q > start:
                 self._folded[s] = q
                 # Stream-ordered after the folds: the sender may overwrite the slots once it sees this.
-                self._nv.signal_op(self._word(self._CREDIT + self.rank), q, self._nv.SignalOp.SIGNAL_SET,
-                                   remote_pe=s, stream=self._stream(ps))
+                self._nv.signal_op(
+                    self._word(self._CREDIT + self.rank),
+                    q,
+                    self._nv.SignalOp.SIGNAL_SET,
+                    remote_pe=s,
+                    stream=self._stream(ps),
+                )
         return snap
 
     # -- waits ------------------------------------------------------------------------------------
@@ -409,9 +450,15 @@ class NvshmemTransport(Transport):
             self._ctrl[self._COUNT_OUT : self._COUNT_OUT + W].copy_(counts, non_blocking=True)
             for owner in range(W):
                 # expect[me] := slots sent to `owner`, then arrive[me] := epoch, in that order.
-                self._nv.put_signal(self._word(self._EXPECT + self.rank), self._word(self._COUNT_OUT + owner),
-                                    self._word(self._ARRIVE + self.rank), self._epoch, self._nv.SignalOp.SIGNAL_SET,
-                                    remote_pe=owner, stream=self._stream(aux))
+                self._nv.put_signal(
+                    self._word(self._EXPECT + self.rank),
+                    self._word(self._COUNT_OUT + owner),
+                    self._word(self._ARRIVE + self.rank),
+                    self._epoch,
+                    self._nv.SignalOp.SIGNAL_SET,
+                    remote_pe=owner,
+                    stream=self._stream(aux),
+                )
         deadline = time.monotonic() + timeout_s
 
         def missing() -> list[int]:
@@ -421,8 +468,9 @@ class NvshmemTransport(Transport):
         self.wait_for_arrivals(missing, self._epoch, timeout_s)
         with torch.cuda.stream(aux):
             for r in range(W):  # acquire each arrival before reading the count that came with it
-                self._nv.signal_wait(self._word(self._ARRIVE + r), self._epoch, self._nv.ComparisonType.CMP_GE,
-                                     stream=self._stream(aux))
+                self._nv.signal_wait(
+                    self._word(self._ARRIVE + r), self._epoch, self._nv.ComparisonType.CMP_GE, stream=self._stream(aux)
+                )
         expect = self._snapshot()[self._EXPECT : self._EXPECT + W]  # runs on `aux`, after the waits
         behind: list[int] = []
 
@@ -431,9 +479,14 @@ class NvshmemTransport(Transport):
             behind[:] = [r for r in range(W) if self._folded[r] < expect[r]]
             return not behind
 
-        poll(folded_all, max(deadline - time.monotonic(), 0.0),
-             lambda: f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; accumulates "
-                     f"from rank(s) {behind} were announced but never arrived")
+        poll(
+            folded_all,
+            max(deadline - time.monotonic(), 0.0),
+            lambda: (
+                f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; accumulates "
+                f"from rank(s) {behind} were announced but never arrived"
+            ),
+        )
         # The folds are complete before the caller reads its accumulator.
         self._progress_stream.synchronize()
 

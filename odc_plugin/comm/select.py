@@ -33,15 +33,13 @@ def choose_transport(hostnames: Sequence[str], device_type: str) -> str:
     if device_type == "cpu":
         if "none" in kinds:
             hosts = sorted(set(hostnames))
-            raise ValueError(
-                f"ODC on CPU needs every rank on one machine (shared memory); the group spans {hosts}"
-            )
+            raise ValueError(f"ODC on CPU needs every rank on one machine (shared memory); the group spans {hosts}")
         return "shm"
     return "nvshmem" if "nvshmem" in kinds else "cuda_ipc"
 
 
 def group_device_type(group=None) -> str:
-    """"cuda" when this process trains on GPUs (CUDA present and the group runs NCCL), else "cpu"."""
+    """ "cuda" when this process trains on GPUs (CUDA present and the group runs NCCL), else "cpu"."""
     import torch
     import torch.distributed as dist
 

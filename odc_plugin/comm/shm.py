@@ -81,14 +81,18 @@ class ShmTransport(Transport):
         try:
             mappings.append(_Mapping(paths[self.rank], nbytes, create=True))
             dist.barrier(group=self.group)
-            mappings = [mappings[0] if r == self.rank else _Mapping(paths[r], nbytes, create=False)
-                        for r in range(self.world_size)]
+            mappings = [
+                mappings[0] if r == self.rank else _Mapping(paths[r], nbytes, create=False)
+                for r in range(self.world_size)
+            ]
             dist.barrier(group=self.group)
         except Exception as e:
             for m in mappings:
                 m.close()
-            raise RuntimeError(f"rank {self.rank}: setting up shared-memory region '{name}' "
-                               f"({self.path_prefix}-{name}-r*) failed (did a peer die?): {e}") from e
+            raise RuntimeError(
+                f"rank {self.rank}: setting up shared-memory region '{name}' "
+                f"({self.path_prefix}-{name}-r*) failed (did a peer die?): {e}"
+            ) from e
         finally:
             # Once every rank holds every mapping the names are no longer needed, and unlinking now means
             # a crash leaves nothing behind in /dev/shm. Every rank unlinks every name, so that a peer
@@ -176,11 +180,14 @@ class ShmTransport(Transport):
                 self._arrivals.local[0] = -epoch
         if late:
             self._ring()
-            raise ODCTimeoutError(f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; "
-                                  f"rank(s) {late} did not arrive")
+            raise ODCTimeoutError(
+                f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; rank(s) {late} did not arrive"
+            )
         if gave_up:
-            raise ODCTimeoutError(f"rank {self.rank}: ODC barrier #{epoch} failed: rank(s) {gave_up} timed out "
-                                  f"waiting at it and gave up before every rank arrived")
+            raise ODCTimeoutError(
+                f"rank {self.rank}: ODC barrier #{epoch} failed: rank(s) {gave_up} timed out "
+                f"waiting at it and gave up before every rank arrived"
+            )
 
     def close(self) -> None:
         for mappings in self._mappings.values():

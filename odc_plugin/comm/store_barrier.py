@@ -64,14 +64,22 @@ class StoreBarrier:
             except dist.DistStoreError:
                 missing = [r for r in self.ranks if not self.store.check([f"{key}/r{r}"])]
                 # Nobody missing: the last arrival is about to write "passed", and that is the right call.
-                mine = (f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; rank(s) {missing} "
-                        f"did not arrive") if missing else _PASSED
+                mine = (
+                    (
+                        f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; rank(s) {missing} "
+                        f"did not arrive"
+                    )
+                    if missing
+                    else _PASSED
+                )
                 decided = self.store.compare_set(outcome, "", mine).decode()
             if decided == _PASSED:
                 self._forget(epoch - 1)
         except dist.DistError as e:
-            raise RuntimeError(f"rank {self.rank}: ODC barrier #{epoch}: the c10d store failed (its host, the "
-                               f"process at MASTER_ADDR, may have died): {e}") from e
+            raise RuntimeError(
+                f"rank {self.rank}: ODC barrier #{epoch}: the c10d store failed (its host, the "
+                f"process at MASTER_ADDR, may have died): {e}"
+            ) from e
         if decided == _PASSED:
             return
         if not decided.startswith(f"rank {self.rank}:"):

@@ -24,51 +24,92 @@ def _time_scale(text: str) -> float | str:
 
 def main(argv=None) -> None:
     defaults = DemoConfig(ranks=2)
-    p = argparse.ArgumentParser(prog="odc-demo", description="Four A/B rows of real FSDP2 and ODC training on CPU "
-                                "processes, and what each step between them buys.")
+    p = argparse.ArgumentParser(
+        prog="odc-demo",
+        description="Four A/B rows of real FSDP2 and ODC training on CPU "
+        "processes, and what each step between them buys.",
+    )
     p.add_argument("--ranks", type=int, default=max(2, os.cpu_count() or 2))
-    p.add_argument("--steps", type=int, help=f"timed mini-batches per row (default {SINGLE_STEPS}; "
-                                             f"{SWEEP_STEPS} per point of a sweep)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help=f"timed mini-batches per row (default {SINGLE_STEPS}; {SWEEP_STEPS} per point of a sweep)",
+    )
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), help="default small ('stand-in' with --emulate)")
     p.add_argument("--workload", choices=WORKLOADS, help="default rl; a sweep runs both unless one is named")
     p.add_argument("--lengths", default=None, help="sample lengths: JSON list, text file, or file.parquet:column")
-    p.add_argument("--mini-batch-size", type=int, default=None,
-                   help="prompts (rl, default 4) or samples (sft, default 16) per mini-batch")
+    p.add_argument(
+        "--mini-batch-size",
+        type=int,
+        default=None,
+        help="prompts (rl, default 4) or samples (sft, default 16) per mini-batch",
+    )
     p.add_argument("--max-prompt-length", type=int, default=defaults.max_prompt_length, help="rl")
     p.add_argument("--max-response-length", type=int, default=defaults.max_response_length, help="rl")
     p.add_argument("--max-token-len", type=int, default=defaults.max_token_len)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out-dir", default=defaults.out_dir)
-    p.add_argument("--emulate", metavar="FIT.json",
-                   help="emulate each decoder layer's compute from this GPU cost fit (benchmarks/calibrate_cost.py, "
-                        "e.g. configs/cost_fit/Qwen2.5-7B-H100.json); everything else stays real")
-    p.add_argument("--time-scale", type=_time_scale,
-                   help="emulated seconds = the fit's seconds times X (default 1; 'auto', the default of a sweep: "
-                        "a rank's fair share of a mini-batch takes about 5 s)")
-    p.add_argument("--stand-in", type=int, help="with --emulate the model computes on sequences this many times "
-                                                 "shorter than the true ones (default 64)")
-    p.add_argument("--slow-ranks", metavar="R:F[,R:F]",
-                   help="rank R's layer compute takes F times as long (emulated, or measured without --emulate)")
-    p.add_argument("--cost", choices=COSTS, default="fit",
-                   help="auto: a fifth row, odc+lb_mini_auto, whose LB-Mini cost is fitted from the micro-batch "
-                        "times it measures, each rank's speed included")
-    p.add_argument("--sweep-ranks", type=int, nargs="+", metavar="N",
-                   help="with --emulate: run the rl and sft cases (odc_plugin/demo/sweep.py) at each rank count; "
-                        "writes odc_sweep.json and odc_sweep.png")
+    p.add_argument(
+        "--emulate",
+        metavar="FIT.json",
+        help="emulate each decoder layer's compute from this GPU cost fit (benchmarks/calibrate_cost.py, "
+        "e.g. configs/cost_fit/Qwen2.5-7B-H100.json); everything else stays real",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=_time_scale,
+        help="emulated seconds = the fit's seconds times X (default 1; 'auto', the default of a sweep: "
+        "a rank's fair share of a mini-batch takes about 5 s)",
+    )
+    p.add_argument(
+        "--stand-in",
+        type=int,
+        help="with --emulate the model computes on sequences this many times shorter than the true ones (default 64)",
+    )
+    p.add_argument(
+        "--slow-ranks",
+        metavar="R:F[,R:F]",
+        help="rank R's layer compute takes F times as long (emulated, or measured without --emulate)",
+    )
+    p.add_argument(
+        "--cost",
+        choices=COSTS,
+        default="fit",
+        help="auto: a fifth row, odc+lb_mini_auto, whose LB-Mini cost is fitted from the micro-batch "
+        "times it measures, each rank's speed included",
+    )
+    p.add_argument(
+        "--sweep-ranks",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="with --emulate: run the rl and sft cases (odc_plugin/demo/sweep.py) at each rank count; "
+        "writes odc_sweep.json and odc_sweep.png",
+    )
     args = p.parse_args(argv)
     sweep = args.sweep_ranks is not None
     if sweep and not args.emulate:
         p.error("--sweep-ranks runs many ranks on this machine's cores: it needs --emulate FIT.json")
     workloads = [args.workload] if args.workload or not sweep else list(WORKLOADS)
     try:
-        base = DemoConfig(ranks=max(args.sweep_ranks) if sweep else args.ranks,
-                          steps=args.steps or (SWEEP_STEPS if sweep else SINGLE_STEPS),
-                          model_size=args.model_size, workload=workloads[0] or "rl", lengths=args.lengths,
-                          mini_batch_size=args.mini_batch_size, max_prompt_length=args.max_prompt_length,
-                          max_response_length=args.max_response_length, max_token_len=args.max_token_len,
-                          seed=args.seed, out_dir=args.out_dir, emulate=args.emulate,
-                          time_scale=args.time_scale or ("auto" if sweep else 1.0), stand_in=args.stand_in,
-                          slow_ranks=args.slow_ranks, cost=args.cost)
+        base = DemoConfig(
+            ranks=max(args.sweep_ranks) if sweep else args.ranks,
+            steps=args.steps or (SWEEP_STEPS if sweep else SINGLE_STEPS),
+            model_size=args.model_size,
+            workload=workloads[0] or "rl",
+            lengths=args.lengths,
+            mini_batch_size=args.mini_batch_size,
+            max_prompt_length=args.max_prompt_length,
+            max_response_length=args.max_response_length,
+            max_token_len=args.max_token_len,
+            seed=args.seed,
+            out_dir=args.out_dir,
+            emulate=args.emulate,
+            time_scale=args.time_scale or ("auto" if sweep else 1.0),
+            stand_in=args.stand_in,
+            slow_ranks=args.slow_ranks,
+            cost=args.cost,
+        )
         for workload in workloads if sweep else ():  # every point is checked before the first one runs
             for n in args.sweep_ranks:
                 case_config(base, workload, n)

@@ -70,8 +70,10 @@ class DemoConfig:
         if self.lengths is not None and not os.path.exists(self.lengths):
             raise ValueError(f"--lengths file not found: {self.lengths}")
         if self.workload == "rl" and self.max_prompt_length + self.max_response_length > self.max_token_len:
-            raise ValueError(f"--max-token-len {self.max_token_len} is below the longest possible sample "
-                             f"({self.max_prompt_length} + {self.max_response_length})")
+            raise ValueError(
+                f"--max-token-len {self.max_token_len} is below the longest possible sample "
+                f"({self.max_prompt_length} + {self.max_response_length})"
+            )
         if self.time_scale != "auto" and not (isinstance(self.time_scale, (int, float)) and self.time_scale > 0):
             raise ValueError(f"--time-scale must be a number > 0 or 'auto', got {self.time_scale!r}")
         if self.time_scale != 1.0 and not self.emulate:

@@ -34,13 +34,20 @@ class EmulationFit:
         calibration = CostCalibration.load(path)
         layers = calibration.num_hidden_layers
         if not layers:
-            raise ValueError(f"cost calibration {path!r}: model {calibration.model!r} is not a preset, so its "
-                             "layer count is unknown")
+            raise ValueError(
+                f"cost calibration {path!r}: model {calibration.model!r} is not a preset, so its layer count is unknown"
+            )
         if not time_scale > 0:
             raise ValueError(f"--time-scale must be > 0, got {time_scale}")
         scale = layers * time_scale
-        return cls(FitCost(calibration.a * scale, calibration.b * scale), layers, calibration.backward_ratio,
-                   time_scale, calibration.model, f"{calibration.model} on {calibration.device} ({path})")
+        return cls(
+            FitCost(calibration.a * scale, calibration.b * scale),
+            layers,
+            calibration.backward_ratio,
+            time_scale,
+            calibration.model,
+            f"{calibration.model} on {calibration.device} ({path})",
+        )
 
     def seconds(self, lengths: Sequence[int]) -> float:
         return sum(self.cost.costs(lengths))

@@ -15,41 +15,61 @@ def print_table(report: dict) -> None:
     ranks = report["config"]["ranks"]
     emulated = " (EMULATED layer compute)" if report["config"]["emulate"] else ""
     per_rank = "compute / comm / wait per rank" if ranks <= _RANKS_SPELLED_OUT else "idle min / max over ranks"
-    print(f"\n{'row':<19}{'s/step':>8}{'tokens/s':>10}{'predicted':>11}{'error':>8}{'idle':>7}"
-          f"{'wait CPU':>10}   {per_rank}{emulated}")
+    print(
+        f"\n{'row':<19}{'s/step':>8}{'tokens/s':>10}{'predicted':>11}{'error':>8}{'idle':>7}"
+        f"{'wait CPU':>10}   {per_rank}{emulated}"
+    )
     for row, r in report["runs"].items():
         f = r["fraction_per_rank"]
         if ranks <= _RANKS_SPELLED_OUT:
             split = "  ".join(f"{f['compute'][k]:.2f}/{f['comm'][k]:.2f}/{f['wait'][k]:.2f}" for k in range(ranks))
         else:
             split = f"{min(f['wait']):.2f} / {max(f['wait']):.2f}"
-        print(f"{row:<19}{r['median_step_s']:>8.3f}{r['tokens_per_s']:>10.0f}"
-              f"{statistics.median(r['predicted_step_s']):>11.3f}{r['prediction_error']:>+8.1%}"
-              f"{r['idle_fraction']:>7.1%}{r['wait_cpu_s']:>9.3f}s   {split}")
-    print("error: the planner's step time over the measured one, minus 1 (median over mini-batches); idle: the "
-          "ranks' mean share of the step spent waiting; wait CPU: CPU seconds one rank spent in its waits per "
-          "mini-batch (ODC: flags and barriers; fsdp2: gloo collectives, transfers included)")
+        print(
+            f"{row:<19}{r['median_step_s']:>8.3f}{r['tokens_per_s']:>10.0f}"
+            f"{statistics.median(r['predicted_step_s']):>11.3f}{r['prediction_error']:>+8.1%}"
+            f"{r['idle_fraction']:>7.1%}{r['wait_cpu_s']:>9.3f}s   {split}"
+        )
+    print(
+        "error: the planner's step time over the measured one, minus 1 (median over mini-batches); idle: the "
+        "ranks' mean share of the step spent waiting; wait CPU: CPU seconds one rank spent in its waits per "
+        "mini-batch (ODC: flags and barriers; fsdp2: gloo collectives, transfers included)"
+    )
     if any(f != 1.0 for f in report["config"]["slowdowns"]):
-        print(f"ideal (each mini-batch's work over the ranks' summed speeds): "
-              f"{statistics.median(report['ideal_step_s']):.3f} s/step")
-    print("planner's error per mini-batch: " + "; ".join(
-        f"{row} " + " ".join(f"{e:+.0%}" for e in r["prediction_errors"]) for row, r in report["runs"].items()))
+        print(
+            f"ideal (each mini-batch's work over the ranks' summed speeds): "
+            f"{statistics.median(report['ideal_step_s']):.3f} s/step"
+        )
+    print(
+        "planner's error per mini-batch: "
+        + "; ".join(
+            f"{row} " + " ".join(f"{e:+.0%}" for e in r["prediction_errors"]) for row, r in report["runs"].items()
+        )
+    )
     fits = [f for f in report["auto_fits"] or [] if f]
     if fits:
         last = fits[-1]
-        print(f"auto cost, the last fit (of {last['timings']} micro-batch timings): c {last['c']:.3g} s + "
-              f"a {last['a']:.3g} s/tok^2 + b {last['b']:.3g} s/tok; rank speeds {min(last['speeds']):.2f} to "
-              f"{max(last['speeds']):.2f} (the prior, FLOPs, planned {len(report['auto_fits']) - len(fits)} "
-              f"mini-batch(es) before it)")
+        print(
+            f"auto cost, the last fit (of {last['timings']} micro-batch timings): c {last['c']:.3g} s + "
+            f"a {last['a']:.3g} s/tok^2 + b {last['b']:.3g} s/tok; rank speeds {min(last['speeds']):.2f} to "
+            f"{max(last['speeds']):.2f} (the prior, FLOPs, planned {len(report['auto_fits']) - len(fits)} "
+            f"mini-batch(es) before it)"
+        )
     print(f"\n{'factor':<16}{'from -> to':<38}{'measured':>9}{'predicted':>11}")
     for name, (slow, fast) in FACTORS.items():
         if name in report["factors"]:
-            print(f"{name:<16}{slow + ' -> ' + fast:<38}{report['factors'][name]:>8.3f}x"
-                  f"{report['predicted_factors'][name]:>10.3f}x")
-    print(f"\nheadline, ODC+LB-Mini over the lockstep baseline on the same transport: "
-          f"{report['factors']['odc+lb_mini']:.3f}x (median of per-mini-batch ratios){emulated}")
-    print(f"max |parameter difference| between rows after {report['config']['steps']} mini-batches: "
-          f"{report['max_param_diff']:.2e}; memory of all ranks: {report['memory_mb'] / 1024:.1f} GiB (PSS)")
+            print(
+                f"{name:<16}{slow + ' -> ' + fast:<38}{report['factors'][name]:>8.3f}x"
+                f"{report['predicted_factors'][name]:>10.3f}x"
+            )
+    print(
+        f"\nheadline, ODC+LB-Mini over the lockstep baseline on the same transport: "
+        f"{report['factors']['odc+lb_mini']:.3f}x (median of per-mini-batch ratios){emulated}"
+    )
+    print(
+        f"max |parameter difference| between rows after {report['config']['steps']} mini-batches: "
+        f"{report['max_param_diff']:.2e}; memory of all ranks: {report['memory_mb'] / 1024:.1f} GiB (PSS)"
+    )
 
 
 def plot_breakdown(report: dict, path: str) -> None:
@@ -73,15 +93,25 @@ def plot_breakdown(report: dict, path: str) -> None:
                     value = r["breakdown"][k][rank][f"{part}_s"]
                     ax.bar(x, value, width * 0.9, bottom=bottom, color=color, label=part if k == rank == 0 else None)
                     bottom += value
-            ax.hlines(r["predicted_step_s"][k], k - 0.45, k + 0.45, colors="black", linestyles="--", lw=1,
-                      label="planner's prediction" if k == 0 else None)
+            ax.hlines(
+                r["predicted_step_s"][k],
+                k - 0.45,
+                k + 0.45,
+                colors="black",
+                linestyles="--",
+                lw=1,
+                label="planner's prediction" if k == 0 else None,
+            )
         ax.set_title(f"{row}\nmedian {r['median_step_s']:.2f} s/step", fontsize=9)
         ax.set_xticks(range(steps), [str(k + 1) for k in range(steps)], fontsize=7)
         ax.set_xlabel(f"mini-batch (bars: ranks 0-{ranks - 1})", fontsize=8)
     axes[0].set_ylabel("seconds" + (" (emulated compute)" if report["config"]["emulate"] else ""))
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"odc-demo, {report['config']['workload']} workload, {ranks} ranks: where each rank's time goes "
-                 f"(ODC+LB-Mini over lockstep: {report['factors']['odc+lb_mini']:.2f}x)", fontsize=10)
+    fig.suptitle(
+        f"odc-demo, {report['config']['workload']} workload, {ranks} ranks: where each rank's time goes "
+        f"(ODC+LB-Mini over lockstep: {report['factors']['odc+lb_mini']:.2f}x)",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

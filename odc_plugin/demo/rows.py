@@ -60,8 +60,9 @@ class Row:
     odc: OnDemandComm | None  # None: stock FSDP2
 
 
-def build_rows(build_model: Callable[[], nn.Module], transport: str, lr: float,
-               names: tuple[str, ...] = ROWS) -> dict[str, Row]:
+def build_rows(
+    build_model: Callable[[], nn.Module], transport: str, lr: float, names: tuple[str, ...] = ROWS
+) -> dict[str, Row]:
     """One copy of the `fully_shard`-ed model per row (collective: every rank calls it)."""
     rows = {}
     for name in names:
@@ -70,8 +71,9 @@ def build_rows(build_model: Callable[[], nn.Module], transport: str, lr: float,
             time_fsdp_collectives(model, clock)
             odc = None
         else:
-            odc = apply_odc(model, TimedTransport(make_transport(transport), clock),
-                            ODCConfig(lockstep=name.startswith("lockstep")))
+            odc = apply_odc(
+                model, TimedTransport(make_transport(transport), clock), ODCConfig(lockstep=name.startswith("lockstep"))
+            )
         # foreach: one multi-tensor step instead of a Python loop over DTensors (5x less CPU per step)
         rows[name] = Row(model, torch.optim.AdamW(model.parameters(), lr=lr, foreach=True), clock, odc)
     return rows
@@ -104,8 +106,14 @@ def train_minibatch(row: Row, losses: list[Callable[[], torch.Tensor]], device: 
     own = time.perf_counter() - start
     intervals, wait_cpu = row.clock.take(start)
     dist.barrier()
-    return {"step_s": time.perf_counter() - start, "own_s": own, "intervals": intervals, "wait_cpu_s": wait_cpu,
-            "micro_batches": len(losses), "micro_batch_s": micro_batch_s}
+    return {
+        "step_s": time.perf_counter() - start,
+        "own_s": own,
+        "intervals": intervals,
+        "wait_cpu_s": wait_cpu,
+        "micro_batches": len(losses),
+        "micro_batch_s": micro_batch_s,
+    }
 
 
 def infer_minibatch(row: Row, forwards: list[Callable[[], torch.Tensor]], device: str = "cpu") -> dict:
@@ -135,13 +143,18 @@ def step_breakdown(records: list[dict]) -> list[dict]:
 def factors(step_s: dict[str, list[float]]) -> dict[str, float]:
     """Each factor as the median over mini-batches of the per-mini-batch ratio (the rows alternate, so a
     mini-batch's rows ran back to back under the same machine noise)."""
-    return {name: statistics.median(a / b for a, b in zip(step_s[slow], step_s[fast]))
-            for name, (slow, fast) in FACTORS.items() if slow in step_s and fast in step_s}
+    return {
+        name: statistics.median(a / b for a, b in zip(step_s[slow], step_s[fast]))
+        for name, (slow, fast) in FACTORS.items()
+        if slow in step_s and fast in step_s
+    }
 
 
 def final_param_diff(rows: dict[str, Row]) -> float:
     """Largest |difference| of any parameter between any row and the first (collective)."""
-    final = {name: {n: p.full_tensor().detach().float() for n, p in row.model.named_parameters()}
-             for name, row in rows.items()}
+    final = {
+        name: {n: p.full_tensor().detach().float() for n, p in row.model.named_parameters()}
+        for name, row in rows.items()
+    }
     ref = final[ROWS[0]]
     return max((params[n] - ref[n]).abs().max().item() for params in final.values() for n in ref)

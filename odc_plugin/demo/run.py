@@ -29,8 +29,17 @@ from ..models import MODEL_SIZES, build_model, qwen2_config, shard_qwen2
 from .config import AUTO_SHARE_S, DemoConfig
 from .emulate import EmulationFit
 from .report import plot_breakdown, print_table
-from .rows import (AUTO_ROW, ROWS, build_rows, factors, final_param_diff, plan_of, step_breakdown, train_minibatch,
-                   turn_order)
+from .rows import (
+    AUTO_ROW,
+    ROWS,
+    build_rows,
+    factors,
+    final_param_diff,
+    plan_of,
+    step_breakdown,
+    train_minibatch,
+    turn_order,
+)
 from .workload import Sample, draw_minibatches, policy_loss
 
 
@@ -88,8 +97,9 @@ def plan_minibatches(cfg: DemoConfig, batches, cost: FitCost) -> dict:
     for batch in batches:
         totals = [s.total for s in batch]
         plans["lb_micro"].append(lb_micro(totals, cfg.ranks, cfg.max_token_len))
-        plans["lb_mini"].append(lb_mini(totals, cfg.ranks, cfg.max_token_len, cost=cost,
-                                        baseline=plans["lb_micro"][-1]))
+        plans["lb_mini"].append(
+            lb_mini(totals, cfg.ranks, cfg.max_token_len, cost=cost, baseline=plans["lb_micro"][-1])
+        )
     return {row: plans[plan_of(row)] for row in ROWS}
 
 
@@ -145,11 +155,21 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
         for row in turn_order(step, names):
             if row == AUTO_ROW:  # the same fit on every rank, so the same plan
                 auto_fits.append(online.fit)
-                plans[row].append(lb_mini_auto([s.total for s in batch], world, cfg.max_token_len, online.fit, prior,
-                                               baseline=plans[ROWS[2]][step]))
+                plans[row].append(
+                    lb_mini_auto(
+                        [s.total for s in batch],
+                        world,
+                        cfg.max_token_len,
+                        online.fit,
+                        prior,
+                        baseline=plans[ROWS[2]][step],
+                    )
+                )
             micro_batches = plans[row][step][rank]
-            losses = [lambda mb=mb, m=rows[row].model: loss(m, [batch[i] for i in mb], response_tokens)
-                      for mb in micro_batches]
+            losses = [
+                lambda mb=mb, m=rows[row].model, b=batch, r=response_tokens: loss(m, [b[i] for i in mb], r)
+                for mb in micro_batches
+            ]
             rec = train_minibatch(rows[row], losses)
             rec["samples"] = [batch[i].seed for mb in micro_batches for i in mb]
             rec["tokens"] = sum(batch[i].total for mb in micro_batches for i in mb)
@@ -159,18 +179,31 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
         if rank == 0:
             times = " | ".join(f"{row} {record[row][-1]['step_s']:.2f}s" for row in names)
             print(f"  mini-batch {step + 1}/{len(batches)}: {times}", flush=True)
-    return {"record": record, "max_param_diff": final_param_diff(rows), "memory_mb": _memory_mb(),
-            "auto_plans": plans.get(AUTO_ROW), "auto_fits": [f and dataclasses.asdict(f) for f in auto_fits]}
+    return {
+        "record": record,
+        "max_param_diff": final_param_diff(rows),
+        "memory_mb": _memory_mb(),
+        "auto_plans": plans.get(AUTO_ROW),
+        "auto_fits": [f and dataclasses.asdict(f) for f in auto_fits],
+    }
 
 
 def predict(cfg: DemoConfig, batches, plans, cost: FitCost) -> dict[str, list[float]]:
     """The planner's compute-only step time of every row and mini-batch: lockstep rows last the sum over
     micro-batch steps of the slowest rank, ODC rows the slowest rank's sum, each rank's compute times
     its slowdown. It has no transport in it, so it predicts the same time for the first two rows."""
-    return {row: [simulate_minibatch(plans[row][k], cost.costs([s.total for s in batch]),
-                                     lockstep=not row.startswith("odc"), slowdown=cfg.slowdowns).seconds
-                  for k, batch in enumerate(batches)]
-            for row in plans}
+    return {
+        row: [
+            simulate_minibatch(
+                plans[row][k],
+                cost.costs([s.total for s in batch]),
+                lockstep=not row.startswith("odc"),
+                slowdown=cfg.slowdowns,
+            ).seconds
+            for k, batch in enumerate(batches)
+        ]
+        for row in plans
+    }
 
 
 def ideal_step_s(cfg: DemoConfig, batches, cost: FitCost) -> list[float]:
@@ -187,8 +220,10 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, ideal, calibration)
         records = [[r["record"][row][k] for r in per_rank] for k in steps]
         step_s[row] = [max(rec["step_s"] for rec in recs) for recs in records]  # the slowest rank's
         parts = [step_breakdown(recs) for recs in records]  # [step][rank]
-        fractions = {part: [sum(p[rank][f"{part}_s"] for p in parts) / sum(step_s[row]) for rank in range(cfg.ranks)]
-                     for part in ("compute", "comm", "wait")}
+        fractions = {
+            part: [sum(p[rank][f"{part}_s"] for p in parts) / sum(step_s[row]) for rank in range(cfg.ranks)]
+            for part in ("compute", "comm", "wait")
+        }
         runs[row] = {
             "median_step_s": statistics.median(step_s[row]),
             "step_s": step_s[row],
@@ -224,16 +259,21 @@ def run_demo(cfg: DemoConfig, quiet: bool = False) -> dict:
     """Train the four rows, print the table (unless `quiet`), write the JSON report and the PNG."""
     say = (lambda *a, **k: None) if quiet else print
     batches = draw_minibatches(cfg)
-    say(f"odc-demo: {cfg.ranks} CPU ranks x 1 thread, model '{cfg.model_size}', {cfg.workload} workload, "
+    say(
+        f"odc-demo: {cfg.ranks} CPU ranks x 1 thread, model '{cfg.model_size}', {cfg.workload} workload, "
         f"{cfg.steps} mini-batches of {len(batches[0])} samples, micro-batch budget {cfg.max_token_len} tokens",
-        flush=True)
+        flush=True,
+    )
     fit = None
     if cfg.emulate:
         fit = emulation_fit(cfg, batches)
         cost, calibration = fit.cost, {"emulated": fit.source, "cost": asdict(fit.cost), "time_scale": fit.time_scale}
-        say(f"layer compute EMULATED from {fit.source}, time scale {fit.time_scale:.3g}: {fit.num_layers} layers' "
+        say(
+            f"layer compute EMULATED from {fit.source}, time scale {fit.time_scale:.3g}: {fit.num_layers} layers' "
             f"seconds per sequence {fit.cost.a:.3g} s^2 + {fit.cost.b:.3g} s, backward {fit.backward_ratio:g}x "
-            f"forward; the model computes on {cfg.stand_in}x shorter stand-in sequences", flush=True)
+            f"forward; the model computes on {cfg.stand_in}x shorter stand-in sequences",
+            flush=True,
+        )
     else:
         cost, calibration = calibrate(cfg)
         say(f"cost fit on this CPU: t(s) = {cost.a:.3g} s^2 + {cost.b:.3g} s seconds per sequence", flush=True)
@@ -243,8 +283,9 @@ def run_demo(cfg: DemoConfig, quiet: bool = False) -> dict:
     per_rank = run_ranks(rank_body, cfg.ranks, cfg, batches, plans, fit, auto_prior(cfg, fit))
     if cfg.cost == "auto":
         plans[AUTO_ROW] = per_rank[0]["auto_plans"]
-    report = summarize(cfg, batches, per_rank, predict(cfg, batches, plans, cost), ideal_step_s(cfg, batches, cost),
-                       calibration)
+    report = summarize(
+        cfg, batches, per_rank, predict(cfg, batches, plans, cost), ideal_step_s(cfg, batches, cost), calibration
+    )
     os.makedirs(cfg.out_dir, exist_ok=True)
     json_path, png_path = os.path.join(cfg.out_dir, "odc_demo.json"), os.path.join(cfg.out_dir, "odc_demo.png")
     with open(json_path, "w") as f:

@@ -22,11 +22,11 @@ CASES = {
 }
 ABOUT = {
     "rl": "GRPO rollouts: prompts up to 512 tokens, responses up to 16384, 4 responses per prompt and one prompt "
-          "per rank (4 samples per rank), micro-batch budget 16896 tokens (the longest sample); odc-plan: 1.17x "
-          "to 1.20x at 4 to 32 ranks",
+    "per rank (4 samples per rank), micro-batch budget 16896 tokens (the longest sample); odc-plan: 1.17x "
+    "to 1.20x at 4 to 32 ranks",
     "sft": "long-context SFT: 256 samples per mini-batch (64 per rank at 4 ranks, 8 at 32), chats around 1k "
-           "tokens and 30% documents of 4k to 32k, micro-batch budget 32768 tokens; odc-plan: 1.08x at 4 ranks, "
-           "1.12x at 8, 1.22x at 16, 1.39x at 32",
+    "tokens and 30% documents of 4k to 32k, micro-batch budget 32768 tokens; odc-plan: 1.08x at 4 ranks, "
+    "1.12x at 8, 1.22x at 16, 1.39x at 32",
 }
 HEADLINE = "odc+lb_mini"
 
@@ -36,8 +36,14 @@ def case_config(base: DemoConfig, workload: str, ranks: int) -> DemoConfig:
     case = dict(CASES[workload])
     if workload == "rl":
         case["mini_batch_size"] = ranks  # one prompt, so 4 responses, per rank
-    return dataclasses.replace(base, workload=workload, ranks=ranks, lengths=None,
-                               out_dir=os.path.join(base.out_dir, f"{workload}-{ranks}"), **case)
+    return dataclasses.replace(
+        base,
+        workload=workload,
+        ranks=ranks,
+        lengths=None,
+        out_dir=os.path.join(base.out_dir, f"{workload}-{ranks}"),
+        **case,
+    )
 
 
 def point_summary(cfg: DemoConfig, report: dict) -> dict:
@@ -49,10 +55,15 @@ def point_summary(cfg: DemoConfig, report: dict) -> dict:
         "ranks": cfg.ranks,
         "samples_per_minibatch": cfg.samples_per_minibatch,
         "time_scale": report["calibration"]["time_scale"],
-        "rows": {row: {"median_step_s": r["median_step_s"], "idle_fraction": r["idle_fraction"],
-                       "predicted_step_s": sorted(r["predicted_step_s"])[len(r["predicted_step_s"]) // 2],
-                       "wait_cpu_s": r["wait_cpu_s"]}
-                 for row, r in runs.items()},
+        "rows": {
+            row: {
+                "median_step_s": r["median_step_s"],
+                "idle_fraction": r["idle_fraction"],
+                "predicted_step_s": sorted(r["predicted_step_s"])[len(r["predicted_step_s"]) // 2],
+                "wait_cpu_s": r["wait_cpu_s"],
+            }
+            for row, r in runs.items()
+        },
         "factors": report["factors"],
         "predicted_factors": report["predicted_factors"],
         "headline": measured,
@@ -65,8 +76,10 @@ def point_summary(cfg: DemoConfig, report: dict) -> dict:
 
 
 def run_sweep(base: DemoConfig, ranks: Sequence[int], workloads: Sequence[str]) -> dict:
-    print(f"odc-demo sweep: {', '.join(workloads)} at {', '.join(map(str, ranks))} ranks, layer compute EMULATED "
-          f"from {base.emulate} (the rest real), {base.steps} timed mini-batches per row")
+    print(
+        f"odc-demo sweep: {', '.join(workloads)} at {', '.join(map(str, ranks))} ranks, layer compute EMULATED "
+        f"from {base.emulate} (the rest real), {base.steps} timed mini-batches per row"
+    )
     for workload in workloads:
         print(f"  {workload}: {ABOUT[workload]}")
     points = []
@@ -76,8 +89,11 @@ def run_sweep(base: DemoConfig, ranks: Sequence[int], workloads: Sequence[str]) 
             point = point_summary(cfg, run_demo(cfg, quiet=True))
             points.append(point)
             steps = " | ".join(f"{row} {p['median_step_s']:.2f}" for row, p in point["rows"].items())
-            print(f"{workload:<4}{n:>3} ranks: {steps} s/step; ODC+LB-Mini over lockstep {point['headline']:.3f}x, "
-                  f"planner {point['predicted_headline']:.3f}x ({point['relative_error']:+.1%})", flush=True)
+            print(
+                f"{workload:<4}{n:>3} ranks: {steps} s/step; ODC+LB-Mini over lockstep {point['headline']:.3f}x, "
+                f"planner {point['predicted_headline']:.3f}x ({point['relative_error']:+.1%})",
+                flush=True,
+            )
     result = {"config": dataclasses.asdict(base), "cases": {w: ABOUT[w] for w in workloads}, "points": points}
     os.makedirs(base.out_dir, exist_ok=True)
     json_path, png_path = (os.path.join(base.out_dir, f"odc_sweep.{ext}") for ext in ("json", "png"))
@@ -91,15 +107,20 @@ def run_sweep(base: DemoConfig, ranks: Sequence[int], workloads: Sequence[str]) 
 
 def print_sweep(result: dict) -> None:
     rows = list(result["points"][0]["rows"])
-    print(f"\n{'':<10}" + "".join(f"{row:>20}" for row in rows) + f"{'ODC+LB-Mini/lockstep':>22}{'planner':>9}"
-          f"{'error':>8}{'memory':>9}")
+    print(
+        f"\n{'':<10}" + "".join(f"{row:>20}" for row in rows) + f"{'ODC+LB-Mini/lockstep':>22}{'planner':>9}"
+        f"{'error':>8}{'memory':>9}"
+    )
     print(f"{'':<10}" + f"{'s/step  idle':>20}" * len(rows) + f"{'measured':>22}")
     for p in result["points"]:
         cells = "".join(f"{r['median_step_s']:>13.3f}{r['idle_fraction']:>7.1%}" for r in p["rows"].values())
-        print(f"{p['workload']:<4}{p['ranks']:>3} rk{cells}{p['headline']:>21.3f}x{p['predicted_headline']:>8.3f}x"
-              f"{p['relative_error']:>+8.1%}{p['memory_gib']:>6.1f}GiB")
-    print("EMULATED layer compute (the rest real); error: planner over measured factor, minus 1; memory: all "
-          "ranks' PSS")
+        print(
+            f"{p['workload']:<4}{p['ranks']:>3} rk{cells}{p['headline']:>21.3f}x{p['predicted_headline']:>8.3f}x"
+            f"{p['relative_error']:>+8.1%}{p['memory_gib']:>6.1f}GiB"
+        )
+    print(
+        "EMULATED layer compute (the rest real); error: planner over measured factor, minus 1; memory: all ranks' PSS"
+    )
 
 
 def plot_sweep(result: dict, path: str) -> None:
@@ -115,14 +136,23 @@ def plot_sweep(result: dict, path: str) -> None:
     for ax, workload in zip(axes[0], workloads):
         points = [p for p in result["points"] if p["workload"] == workload]
         ranks = [p["ranks"] for p in points]
-        for key, style, label in (("headline", "o-", "measured (emulated compute)"),
-                                  ("predicted_headline", "s--", "planner, same plans")):
+        for key, style, label in (
+            ("headline", "o-", "measured (emulated compute)"),
+            ("predicted_headline", "s--", "planner, same plans"),
+        ):
             values = [p[key] for p in points]
             ax.plot(ranks, values, style, label=label, color="tab:green" if key == "headline" else "tab:gray")
             for x, y in zip(ranks, values):
                 offset = (0, 8) if key == "headline" else (0, -14)
-                ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=offset, ha="center",
-                            fontsize=9, color="tab:green" if key == "headline" else "tab:gray")
+                ax.annotate(
+                    f"{y:.2f}x",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=offset,
+                    ha="center",
+                    fontsize=9,
+                    color="tab:green" if key == "headline" else "tab:gray",
+                )
         ax.axhline(1.0, color="black", lw=0.6)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ranks, [str(r) for r in ranks])
@@ -134,8 +164,11 @@ def plot_sweep(result: dict, path: str) -> None:
         ax.set_title(f"{workload}: ODC+LB-Mini over FSDP-style lockstep + LB-Micro", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle("odc-demo --sweep-ranks: layer compute EMULATED from a GPU fit;\nFSDP2, transport, barriers, "
-                 "plans and optimizer real", fontsize=9)
+    fig.suptitle(
+        "odc-demo --sweep-ranks: layer compute EMULATED from a GPU fit;\nFSDP2, transport, barriers, "
+        "plans and optimizer real",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

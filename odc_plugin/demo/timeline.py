@@ -66,13 +66,20 @@ def breakdown(step_s: float, own_s: list[float], intervals: list[list[tuple[floa
     floor = sum(min(durations) for durations in zip(*collectives))
     out = []
     for own, ivs, coll in zip(own_s, intervals, collectives):
-        def total(*kinds):
+
+        def total(*kinds, ivs=ivs):
             return sum(b - a for a, b, kind in ivs if kind in kinds)
 
         comm = total(TRANSFER) + floor
         wait = total(PUBLISHED, BARRIER) + sum(coll) - floor + (step_s - own)
-        out.append({"compute_s": step_s - comm - wait, "comm_s": comm, "wait_s": wait,
-                    "barriers": sum(kind == BARRIER for _, _, kind in ivs)})
+        out.append(
+            {
+                "compute_s": step_s - comm - wait,
+                "comm_s": comm,
+                "wait_s": wait,
+                "barriers": sum(kind == BARRIER for _, _, kind in ivs),
+            }
+        )
     return out
 
 

@@ -27,8 +27,11 @@ class Sample:
         """The same sample, `factor` times shorter: what the model computes on when compute is emulated."""
         if factor == 1:
             return self
-        return dataclasses.replace(self, prompt_len=max(1, round(self.prompt_len / factor)),
-                                   response_len=max(1, round(self.response_len / factor)))
+        return dataclasses.replace(
+            self,
+            prompt_len=max(1, round(self.prompt_len / factor)),
+            response_len=max(1, round(self.response_len / factor)),
+        )
 
 
 def _lengths(cfg: DemoConfig, step: int, g: torch.Generator) -> tuple[list[int], list[int]]:
@@ -45,11 +48,17 @@ def _lengths(cfg: DemoConfig, step: int, g: torch.Generator) -> tuple[list[int],
     if cfg.workload == "sft":
         # chats around 1/32 of the longest sample, documents from 1/8 of it up (the planner's
         # defaults at 32k: 1k-token chats, 4k to 32k-token documents)
-        sample = sft_long_context_like(n, max_length=cfg.max_token_len, chat_median=cfg.max_token_len / 32,
-                                       long_min=cfg.max_token_len // 8, seed=seed)
+        sample = sft_long_context_like(
+            n,
+            max_length=cfg.max_token_len,
+            chat_median=cfg.max_token_len / 32,
+            long_min=cfg.max_token_len // 8,
+            seed=seed,
+        )
         return sample.prompt_lens, sample.response_lens
-    sample = rl_math_like(n, max_prompt_length=cfg.max_prompt_length,
-                          max_response_length=cfg.max_response_length, seed=seed)
+    sample = rl_math_like(
+        n, max_prompt_length=cfg.max_prompt_length, max_response_length=cfg.max_response_length, seed=seed
+    )
     # GRPO: the responses of one prompt share it
     return [sample.prompt_lens[i - i % cfg.group_size] for i in range(n)], sample.response_lens
 

@@ -3,5 +3,12 @@
 from .mesh import DataParallelMesh, data_parallel_mesh, shard_group
 from .odc import MiniBatchStats, ODCConfig, OnDemandComm, apply_odc
 
-__all__ = ["DataParallelMesh", "MiniBatchStats", "ODCConfig", "OnDemandComm", "apply_odc", "data_parallel_mesh",
-           "shard_group"]
+__all__ = [
+    "DataParallelMesh",
+    "MiniBatchStats",
+    "ODCConfig",
+    "OnDemandComm",
+    "apply_odc",
+    "data_parallel_mesh",
+    "shard_group",
+]

@@ -79,8 +79,11 @@ def grad_slots(group) -> list[ParamSlot]:
 def reshards_to_a_smaller_group(modules_and_groups: list[tuple[FSDPModule, list]]) -> bool:
     """Whether any group was built with `reshard_after_forward` as an int: after forward its parameters
     are resharded over a smaller group than the one they live on, and backward gathers them from there."""
-    return any(group.post_forward_mesh_info not in (None, group.mesh_info)
-               for _, groups in modules_and_groups for group in groups)
+    return any(
+        group.post_forward_mesh_info not in (None, group.mesh_info)
+        for _, groups in modules_and_groups
+        for group in groups
+    )
 
 
 def reset_to_idle(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
@@ -116,8 +119,9 @@ def reduce_within_shard_group(modules_and_groups: list[tuple[FSDPModule, list]])
             info = group.mesh_info
             if not isinstance(info, HSDPMeshInfo):
                 continue
-            shard_only = FSDPMeshInfo(**{f.name: getattr(info, f.name) for f in fields(FSDPMeshInfo) if f.init}
-                                      | {"replicate_mesh_dim": None})
+            shard_only = FSDPMeshInfo(
+                **{f.name: getattr(info, f.name) for f in fields(FSDPMeshInfo) if f.init} | {"replicate_mesh_dim": None}
+            )
             shard_only.reduce_scatter_process_group = info.reduce_scatter_process_group
             # FSDP compares the two to decide whether resharding after forward moves to another mesh.
             if group.post_forward_mesh_info is info:

@@ -35,8 +35,9 @@ def data_parallel_mesh(model: nn.Module) -> DataParallelMesh:
     """The mesh every parameter of a `fully_shard`-ed `model` lives on, as shard and replicate groups."""
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if len(meshes) != 1:
-        raise ValueError(f"ODC needs every parameter sharded by fully_shard over one device mesh; found "
-                         f"{len(meshes)} meshes")
+        raise ValueError(
+            f"ODC needs every parameter sharded by fully_shard over one device mesh; found {len(meshes)} meshes"
+        )
     mesh = meshes.pop()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"ODC takes a 1-D (FSDP) or 2-D (replicate x shard, HSDP) mesh, got a {mesh.ndim}-D one")

@@ -104,19 +104,25 @@ class OnDemandComm:
         self._modules_and_groups = modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
         if fsdp_internals.reshards_to_a_smaller_group(modules_and_groups):
             # Backward would gather from the smaller group's post-forward shards, which no owner publishes.
-            raise ValueError("reshard_after_forward as an int is not supported with ODC (gets read the shards "
-                             "every rank publishes); pass fully_shard reshard_after_forward=True or False")
+            raise ValueError(
+                "reshard_after_forward as an int is not supported with ODC (gets read the shards "
+                "every rank publishes); pass fully_shard reshard_after_forward=True or False"
+            )
         self.mesh = data_parallel_mesh(model)
         shard = self.mesh.shard_group
         if (self.world_size, self.rank) != (dist.get_world_size(shard), dist.get_rank(shard)):
-            raise ValueError(f"the transport spans {self.world_size} ranks (this one is {self.rank}), but FSDP "
-                             f"shards over {dist.get_world_size(shard)} (this one is {dist.get_rank(shard)}); build "
-                             f"it with make_transport(kind, group=odc_plugin.fsdp.shard_group(model))")
+            raise ValueError(
+                f"the transport spans {self.world_size} ranks (this one is {self.rank}), but FSDP "
+                f"shards over {dist.get_world_size(shard)} (this one is {dist.get_rank(shard)}); build "
+                f"it with make_transport(kind, group=odc_plugin.fsdp.shard_group(model))"
+            )
         self._replicas: StoreBarrier | None = None
         if self.mesh.replicate_group is not None:
             if self.world_size == 1:
-                raise ValueError("ODC over HSDP needs shard groups of 2 or more ranks; with one rank per shard "
-                                 "group there is nothing to get or accumulate")
+                raise ValueError(
+                    "ODC over HSDP needs shard groups of 2 or more ranks; with one rank per shard "
+                    "group there is nothing to get or accumulate"
+                )
             fsdp_internals.reduce_within_shard_group(modules_and_groups)
             ranks = self.mesh.ranks
             name = f"{next(_INSTANCES)}-{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}"
@@ -146,8 +152,10 @@ class OnDemandComm:
                 if not groups:
                     continue  # an FSDP module whose parameters all belong to its children
                 if len(groups) > 1:
-                    raise ValueError("ODC needs one parameter group per fully_shard module; per-parameter "
-                                     "meshes (shard_placement_fn) are not supported")
+                    raise ValueError(
+                        "ODC needs one parameter group per fully_shard module; per-parameter "
+                        "meshes (shard_placement_fn) are not supported"
+                    )
                 layout = layout_of[id(groups[0])]
                 scatter = _ScatterAccumulate(self, layout)
                 self._scatters.append(scatter)
@@ -330,8 +338,9 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
 
     def check_sent(self) -> None:
         if self._input is not None:
-            raise RuntimeError("FSDP did not report which parameters a reduce-scatter held; ODC does not "
-                               "support this torch version")
+            raise RuntimeError(
+                "FSDP did not report which parameters a reduce-scatter held; ODC does not support this torch version"
+            )
 
     def reduced(self, index: int, param) -> None:
         """FSDP reduced slot `index` (a post-accumulate-grad hook of its sharded parameter)."""
@@ -366,10 +375,12 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
             for first, count, column in runs:
                 start, last = layout.slots[first], layout.slots[first + count - 1]
                 numel = last.offset + last.padded_numel - start.offset
-                odc.transport.accumulate(odc.grads, peer, layout.grad_offset + start.offset,
-                                         chunks[peer, column : column + numel])
-                odc.transport.accumulate(odc.grads, peer, odc.grad_numel + layout.used_offset + first,
-                                         self._ones[:count])
+                odc.transport.accumulate(
+                    odc.grads, peer, layout.grad_offset + start.offset, chunks[peer, column : column + numel]
+                )
+                odc.transport.accumulate(
+                    odc.grads, peer, odc.grad_numel + layout.used_offset + first, self._ones[:count]
+                )
 
 
 def apply_odc(model: nn.Module, transport: Transport, config: ODCConfig | None = None) -> OnDemandComm:

@@ -16,15 +16,37 @@ A library over a model, not a trainer:
 """
 
 from .config import MODES, SPESConfig
-from .experts import (MoELayer, assign_experts, freeze_experts, moe_layers, prepare_experts, split_experts,
-                      trainable_parameters)
+from .experts import (
+    MoELayer,
+    assign_experts,
+    freeze_experts,
+    moe_layers,
+    prepare_experts,
+    split_experts,
+    trainable_parameters,
+)
 from .layout import NodeLayout, node_layout
 from .memory import StateBytes, state_bytes
 from .merge import merge_alpha, merge_experts
 from .sync import CommRecord, NodeSync, SPESSyncError
 
 __all__ = [
-    "MODES", "CommRecord", "MoELayer", "NodeLayout", "NodeSync", "SPESConfig", "SPESSyncError", "StateBytes",
-    "assign_experts", "freeze_experts", "merge_alpha", "merge_experts", "moe_layers", "node_layout",
-    "prepare_experts", "split_experts", "state_bytes", "trainable_parameters",
+    "MODES",
+    "CommRecord",
+    "MoELayer",
+    "NodeLayout",
+    "NodeSync",
+    "SPESConfig",
+    "SPESSyncError",
+    "StateBytes",
+    "assign_experts",
+    "freeze_experts",
+    "merge_alpha",
+    "merge_experts",
+    "moe_layers",
+    "node_layout",
+    "prepare_experts",
+    "split_experts",
+    "state_bytes",
+    "trainable_parameters",
 ]

@@ -46,8 +46,9 @@ class SPESDemoConfig:
         if self.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
         if self.sync_every < 1 or self.steps < 1 or self.steps % self.sync_every:
-            raise ValueError(f"--steps must be a positive multiple of the sync period {self.sync_every}, "
-                             f"got {self.steps}")
+            raise ValueError(
+                f"--steps must be a positive multiple of the sync period {self.sync_every}, got {self.steps}"
+            )
         if self.model_size not in MOE_SIZES:
             raise ValueError(f"model_size must be one of {', '.join(MOE_SIZES)}, got '{self.model_size}'")
         try:
@@ -61,9 +62,15 @@ class SPESDemoConfig:
         dozen syncs merges every 2nd sync and decays over half the run, so that merging happens at all.
         Donors: a quarter of a layer's experts (the reference's 4 of 16)."""
         experts = MOE_SIZES[self.model_size].num_experts
-        return SPESConfig(mode=mode, sync_every=self.sync_every, merge_interval=2 * self.sync_every,
-                          merge_alpha_start=0.05, merge_decay_steps=max(1, self.steps // 2),
-                          merge_topk=max(1, experts // 4), sync_timeout_s=300.0)
+        return SPESConfig(
+            mode=mode,
+            sync_every=self.sync_every,
+            merge_interval=2 * self.sync_every,
+            merge_alpha_start=0.05,
+            merge_decay_steps=max(1, self.steps // 2),
+            merge_topk=max(1, experts // 4),
+            sync_timeout_s=300.0,
+        )
 
 
 def lr_factor(step: int, steps: int) -> float:
@@ -144,10 +151,22 @@ def describe(cfg: SPESDemoConfig) -> tuple[dict, dict]:
     expert = sum(p.numel() for layer in layers for e in range(layer.num_experts) for p in layer.expert_params(e))
     total = sum(p.numel() for p in model.parameters())
     corpus = stdlib_corpus()
-    return ({"parameters": total, "expert_parameters": expert, "shared_parameters": total - expert,
-             "layers": len(layers), "experts": layers[0].num_experts},
-            {"root": corpus.root, "train_files": corpus.train_files, "heldout_files": corpus.heldout_files,
-             "train_bytes": len(corpus.train), "heldout_bytes": len(corpus.heldout)})
+    return (
+        {
+            "parameters": total,
+            "expert_parameters": expert,
+            "shared_parameters": total - expert,
+            "layers": len(layers),
+            "experts": layers[0].num_experts,
+        },
+        {
+            "root": corpus.root,
+            "train_files": corpus.train_files,
+            "heldout_files": corpus.heldout_files,
+            "train_bytes": len(corpus.train),
+            "heldout_bytes": len(corpus.heldout),
+        },
+    )
 
 
 def reference_round_ratio(shared: int, experts: int, nodes: int) -> float:
@@ -211,8 +230,10 @@ def print_report(report: dict) -> None:
     print(f"{'step':>6}" + "".join(f"{m:>14}" for m in MODES))
     for i, (step, _) in enumerate(modes["spes"]["heldout_loss"]):
         print(f"{step:>6}" + "".join(f"{modes[m]['heldout_loss'][i][1]:>14.4f}" for m in MODES))
-    print(f"\n{'mode':<12}{'final loss':>11}{'state/node counted':>20}{'measured':>11}{'of full':>8}"
-          f"{'sent/recv per sync':>24}{'syncs':>6}{'total sent+recv':>17}{'train s':>9}{'wall s':>8}")
+    print(
+        f"\n{'mode':<12}{'final loss':>11}{'state/node counted':>20}{'measured':>11}{'of full':>8}"
+        f"{'sent/recv per sync':>24}{'syncs':>6}{'total sent+recv':>17}{'train s':>9}{'wall s':>8}"
+    )
     for m in MODES:
         r = modes[m]
         state = max(r["trainable_state_bytes_per_node"], key=lambda s: s["counted"])
@@ -220,14 +241,20 @@ def print_report(report: dict) -> None:
         count = report["config"]["steps"] if m == "centralized" else r["syncs"]
         total = sum(r["total_bytes_per_node"][0])
         unit = "/step" if m == "centralized" else ""
-        print(f"{m:<12}{r['final_heldout_loss']:>11.4f}{_mb(state['counted']):>20}{_mb(state['measured']):>11}"
-              f"{r['state_fraction_of_full']:>8.2f}{_mb(per[0]) + ' / ' + _mb(per[1]) + unit:>24}{count:>6}"
-              f"{_mb(total):>17}{r['train_s_max']:>9.1f}{r['wall_s_max']:>8.1f}")
-    print(f"\nSPES - centralized final held-out loss: {report['spes_minus_centralized_loss']:+.4f} "
-          f"({100 * report['spes_relative_to_centralized']:+.1f}%) at the same {modes['spes']['tokens']} tokens")
+        print(
+            f"{m:<12}{r['final_heldout_loss']:>11.4f}{_mb(state['counted']):>20}{_mb(state['measured']):>11}"
+            f"{r['state_fraction_of_full']:>8.2f}{_mb(per[0]) + ' / ' + _mb(per[1]) + unit:>24}{count:>6}"
+            f"{_mb(total):>17}{r['train_s_max']:>9.1f}{r['wall_s_max']:>8.1f}"
+        )
+    print(
+        f"\nSPES - centralized final held-out loss: {report['spes_minus_centralized_loss']:+.4f} "
+        f"({100 * report['spes_relative_to_centralized']:+.1f}%) at the same {modes['spes']['tokens']} tokens"
+    )
     reference = report["reference_protocol_spes_over_diloco_bytes_per_round"]
-    print(f"bytes per sync per node, SPES / full-model averaging: {report['spes_over_fedavg_bytes_per_sync']:.3f} "
-          f"(the reference's server protocol would give {reference:.3f})")
+    print(
+        f"bytes per sync per node, SPES / full-model averaging: {report['spes_over_fedavg_bytes_per_sync']:.3f} "
+        f"(the reference's server protocol would give {reference:.3f})"
+    )
     print(f"merges (step, alpha): {modes['spes']['merges']}")
 
 
@@ -243,8 +270,9 @@ def plot(report: dict, path: str) -> None:
     for mode, r in report["modes"].items():
         steps, losses = zip(*r["heldout_loss"])
         ax_steps.plot(steps, losses, marker="o", ms=3, color=colors[mode], label=mode)
-        points = [(b / 1e6, loss) for (_, b), (_, loss) in zip(r["bytes_communicated_per_node"], r["heldout_loss"])
-                  if b > 0]
+        points = [
+            (b / 1e6, loss) for (_, b), (_, loss) in zip(r["bytes_communicated_per_node"], r["heldout_loss"]) if b > 0
+        ]
         ax_bytes.plot(*zip(*points), marker="o", ms=3, color=colors[mode], label=mode)
     ax_steps.set_xlabel("optimizer step (same tokens in every mode)")
     ax_bytes.set_xlabel("MB sent + received per node so far (log scale)")
@@ -253,9 +281,11 @@ def plot(report: dict, path: str) -> None:
         ax.set_ylabel("held-out loss (nats per byte)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{cfg['nodes']} nodes, sync every {cfg['sync_every']} steps, "
-                 f"{report['modes']['spes']['tokens']} training tokens, stdlib sources held out by file",
-                 fontsize=10)
+    fig.suptitle(
+        f"{cfg['nodes']} nodes, sync every {cfg['sync_every']} steps, "
+        f"{report['modes']['spes']['tokens']} training tokens, stdlib sources held out by file",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -263,9 +293,12 @@ def plot(report: dict, path: str) -> None:
 
 def run_demo(cfg: SPESDemoConfig) -> dict:
     size = MOE_SIZES[cfg.model_size]
-    print(f"odc-spes: {cfg.nodes} CPU node processes, OLMoE {size.num_hidden_layers} layers x {size.num_experts} "
-          f"experts (top-{size.num_experts_per_tok}), {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes "
-          f"per node, sync every {cfg.sync_every}; modes: {', '.join(MODES)}", flush=True)
+    print(
+        f"odc-spes: {cfg.nodes} CPU node processes, OLMoE {size.num_hidden_layers} layers x {size.num_experts} "
+        f"experts (top-{size.num_experts_per_tok}), {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes "
+        f"per node, sync every {cfg.sync_every}; modes: {', '.join(MODES)}",
+        flush=True,
+    )
     start = time.perf_counter()
     per_node = run_ranks(node_body, cfg.nodes, cfg, timeout_s=3600)
     report = summarize(cfg, per_node, time.perf_counter() - start)

@@ -39,8 +39,9 @@ class MoELayer:
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, w, None), nn.Parameter) and getattr(module, w).dim() == 3
-               for w in EXPERT_WEIGHTS)
+    return all(
+        isinstance(getattr(module, w, None), nn.Parameter) and getattr(module, w).dim() == 3 for w in EXPERT_WEIGHTS
+    )
 
 
 def split_experts(model: nn.Module) -> nn.Module:
@@ -57,11 +58,18 @@ def split_experts(model: nn.Module) -> nn.Module:
         for w in EXPERT_WEIGHTS:
             fused = getattr(module, w)
             delattr(module, w)
-            setattr(module, w, nn.ParameterList(nn.Parameter(fused[e].detach().clone(), fused.requires_grad)
-                                                for e in range(fused.shape[0])))
+            setattr(
+                module,
+                w,
+                nn.ParameterList(
+                    nn.Parameter(fused[e].detach().clone(), fused.requires_grad) for e in range(fused.shape[0])
+                ),
+            )
     if not found:
-        raise ValueError("split_experts found no MoE experts module with 3D gate_up_proj and down_proj "
-                         "parameters (transformers' OLMoE / Qwen2-MoE layout)")
+        raise ValueError(
+            "split_experts found no MoE experts module with 3D gate_up_proj and down_proj "
+            "parameters (transformers' OLMoE / Qwen2-MoE layout)"
+        )
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", "eager") != "eager":
         model.set_experts_implementation("eager")
@@ -70,8 +78,11 @@ def split_experts(model: nn.Module) -> nn.Module:
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     """The experts modules of a model that went through `split_experts`, in module order."""
-    layers = [MoELayer(name, m) for name, m in model.named_modules()
-              if all(isinstance(getattr(m, w, None), nn.ParameterList) for w in EXPERT_WEIGHTS)]
+    layers = [
+        MoELayer(name, m)
+        for name, m in model.named_modules()
+        if all(isinstance(getattr(m, w, None), nn.ParameterList) for w in EXPERT_WEIGHTS)
+    ]
     if not layers:
         raise ValueError("no split experts found: call split_experts(model) first")
     if len({layer.num_experts for layer in layers}) > 1:
@@ -84,8 +95,10 @@ def assign_experts(num_experts: int, num_nodes: int, node: int) -> range:
     if num_nodes < 1 or not 0 <= node < num_nodes:
         raise ValueError(f"node must be in [0, {num_nodes}), got {node}")
     if num_experts % num_nodes:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of nodes ({num_nodes}): "
-                         f"SPES gives every node the same number of experts")
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by the number of nodes ({num_nodes}): "
+            f"SPES gives every node the same number of experts"
+        )
     k = num_experts // num_nodes
     return range(node * k, (node + 1) * k)
 

@@ -36,10 +36,12 @@ def node_layout(ranks_per_node: int = 1, timeout_s: float = 600.0, device: str =
     timeout = timedelta(seconds=timeout_s)
     node, local = divmod(rank, ranks_per_node)
     cross, _ = dist.new_subgroups_by_enumeration(
-        [[p * ranks_per_node + r for p in range(nodes)] for r in range(ranks_per_node)], timeout=timeout)
+        [[p * ranks_per_node + r for p in range(nodes)] for r in range(ranks_per_node)], timeout=timeout
+    )
     node_group = node_mesh = None
     if ranks_per_node > 1:
         node_group, _ = dist.new_subgroups_by_enumeration(
-            [[p * ranks_per_node + r for r in range(ranks_per_node)] for p in range(nodes)], timeout=timeout)
+            [[p * ranks_per_node + r for r in range(ranks_per_node)] for p in range(nodes)], timeout=timeout
+        )
         node_mesh = DeviceMesh.from_group(node_group, device)
     return NodeLayout(nodes, ranks_per_node, node, local, cross, node_group, node_mesh)

@@ -29,8 +29,10 @@ def merge_alpha(step: int, config: SPESConfig) -> float:
 
 def check_topk(topk: int, num_experts: int) -> None:
     if topk >= num_experts:
-        raise ValueError(f"merge_topk must be below the experts per layer ({num_experts}), since an expert is "
-                         f"not its own donor, got {topk}")
+        raise ValueError(
+            f"merge_topk must be below the experts per layer ({num_experts}), since an expert is "
+            f"not its own donor, got {topk}"
+        )
 
 
 def _local_gate(layer: MoELayer, expert: int) -> torch.Tensor:
@@ -61,8 +63,7 @@ def donors(layer: MoELayer, topk: int, node_group: dist.ProcessGroup | None = No
 
 
 @torch.no_grad()
-def merge_experts(layers: list[MoELayer], alpha: float, topk: int,
-                  node_group: dist.ProcessGroup | None = None) -> None:
+def merge_experts(layers: list[MoELayer], alpha: float, topk: int, node_group: dist.ProcessGroup | None = None) -> None:
     """Merge every layer's experts in place (each rank its own shards)."""
     for layer in layers:
         check_topk(topk, layer.num_experts)

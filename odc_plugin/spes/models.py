@@ -38,9 +38,17 @@ def build_olmoe(size: str | MoESize = "tiny", seed: int = 0, num_experts: int | 
             raise ValueError(f"unknown MoE size '{size}'; expected one of {', '.join(MOE_SIZES)}")
         size = MOE_SIZES[size]
     fields = dict(size.__dict__, num_experts=num_experts or size.num_experts)
-    config = OlmoeConfig(**fields, vocab_size=BYTE_VOCAB, num_key_value_heads=size.num_attention_heads,
-                         max_position_embeddings=4096, pad_token_id=None, eos_token_id=None,
-                         attn_implementation="sdpa", experts_implementation="eager", router_aux_loss_coef=0.01)
+    config = OlmoeConfig(
+        **fields,
+        vocab_size=BYTE_VOCAB,
+        num_key_value_heads=size.num_attention_heads,
+        max_position_embeddings=4096,
+        pad_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+        router_aux_loss_coef=0.01,
+    )
     torch.manual_seed(seed)
     return OlmoeForCausalLM(config).float()
 

@@ -61,12 +61,20 @@ class NodeSync:
         if config.mode == "spes":
             self.owned = assign_experts(self.num_experts, nodes, layout.node)
             # every node's experts, in one order that all nodes share
-            self.experts_of = [[p for layer in self.layers for e in assign_experts(self.num_experts, nodes, q)
-                                for p in layer.expert_params(e)] for q in range(nodes)]
+            self.experts_of = [
+                [
+                    p
+                    for layer in self.layers
+                    for e in assign_experts(self.num_experts, nodes, q)
+                    for p in layer.expert_params(e)
+                ]
+                for q in range(nodes)
+            ]
             for q, params in enumerate(self.experts_of):
                 if q != layout.node and any(p.requires_grad for p in params):
-                    raise ValueError(f"node {layout.node} trains experts of node {q}: call prepare_experts before "
-                                     f"sharding")
+                    raise ValueError(
+                        f"node {layout.node} trains experts of node {q}: call prepare_experts before sharding"
+                    )
             expert_ids = {id(p) for params in self.experts_of for p in params}
             self.shared = [p for p in model.parameters() if id(p) not in expert_ids]
             if config.merging:
@@ -171,4 +179,5 @@ class NodeSync:
             detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise SPESSyncError(
                 f"node {self.layout.node} (local rank {self.layout.local_rank}): {self.config.mode} sync at step "
-                f"{step} failed in the {phase} (sync timeout {self.config.sync_timeout_s:g}s): {detail}") from None
+                f"{step} failed in the {phase} (sync timeout {self.config.sync_timeout_s:g}s): {detail}"
+            ) from None

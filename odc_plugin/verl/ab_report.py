@@ -38,8 +38,14 @@ THROUGHPUT = "perf/throughput"
 PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")
 UPDATE_PHASES = ("update_actor", "update_critic")
 ROLES = ("actor", "critic")
-ODC_STATS = ("compute_s_mean", "wait_s_mean", "wait_s_max", "compute_imbalance", "micro_batches_min",
-             "micro_batches_max")
+ODC_STATS = (
+    "compute_s_mean",
+    "wait_s_mean",
+    "wait_s_max",
+    "compute_imbalance",
+    "micro_batches_min",
+    "micro_batches_max",
+)
 BALANCE = "odc_balance"
 BALANCE_STATS = ("efficiency", "samples_min", "samples_max")
 
@@ -82,8 +88,9 @@ def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
     label = label or os.path.splitext(os.path.basename(path))[0]
     training = {s: m for s, m in sorted(read_metrics(path).items()) if STEP in m}
     if len(training) <= skip_first:
-        raise ReportError(f"{path}: {len(training)} training step(s) with {STEP}, need more than "
-                          f"--skip-first={skip_first}")
+        raise ReportError(
+            f"{path}: {len(training)} training step(s) with {STEP}, need more than --skip-first={skip_first}"
+        )
     kept = dict(list(training.items())[skip_first:])
     return Run(label=label, path=path, steps=kept)
 
@@ -113,6 +120,7 @@ def _idle_fraction(role: str):
     def fn(m: dict[str, float]) -> float | None:
         wait, compute = m[f"{role}/odc/wait_s_mean"], m[f"{role}/odc/compute_s_mean"]
         return wait / (wait + compute) if wait + compute > 0 else None
+
     return fn
 
 
@@ -183,8 +191,15 @@ def compare(base: Run, cand: Run) -> dict:
     for key, label, kind in ROWS:
         if key not in ALWAYS and b[key] is None and c[key] is None:
             continue
-        rows.append({"key": key, "label": label, "baseline": b[key], "candidate": c[key],
-                     "speedup": speedup(b[key], c[key], kind)})
+        rows.append(
+            {
+                "key": key,
+                "label": label,
+                "baseline": b[key],
+                "candidate": c[key],
+                "speedup": speedup(b[key], c[key], kind),
+            }
+        )
     return {
         "baseline": {"label": base.label, "path": base.path, "steps": len(base.steps)},
         "candidate": {"label": cand.label, "path": cand.path, "steps": len(cand.steps)},
@@ -219,27 +234,45 @@ def format_report(report: dict) -> str:
     ]
     for r in report["rows"]:
         sp = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        lines.append(f"{r['label']:{width}}  {_fmt(r['baseline'], r['key']):>{cols}}  "
-                     f"{_fmt(r['candidate'], r['key']):>{cols}}  {sp:>8}".rstrip())
+        lines.append(
+            f"{r['label']:{width}}  {_fmt(r['baseline'], r['key']):>{cols}}  "
+            f"{_fmt(r['candidate'], r['key']):>{cols}}  {sp:>8}".rstrip()
+        )
     up, e2e = report["speedup_update"], report["speedup_end_to_end"]
-    lines += ["", f"speedup {c['label']} over {b['label']}: update phase "
-                  f"{'n/a' if up is None else f'{up:.2f}x'}, end to end {'n/a' if e2e is None else f'{e2e:.2f}x'}"]
+    lines += [
+        "",
+        f"speedup {c['label']} over {b['label']}: update phase "
+        f"{'n/a' if up is None else f'{up:.2f}x'}, end to end {'n/a' if e2e is None else f'{e2e:.2f}x'}",
+    ]
     control = report["control_rollout"]
     if control is not None:
-        lines.append(f"control: the rollout, which the strategy does not touch, {control:.2f}x; a speedup no "
-                     f"further from 1 than this is run-to-run difference, not the strategy")
+        lines.append(
+            f"control: the rollout, which the strategy does not touch, {control:.2f}x; a speedup no "
+            f"further from 1 than this is run-to-run difference, not the strategy"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="ab_report", description="Compare a fsdp2 run and an odc run of verl from their file-logger metrics.")
-    parser.add_argument("runs", nargs="+", metavar="RUN",
-                        help="a directory holding fsdp2.jsonl and odc.jsonl, or BASELINE.jsonl CANDIDATE.jsonl")
-    parser.add_argument("--labels", nargs=2, metavar=("BASELINE", "CANDIDATE"),
-                        help="column names (default: the file names)")
-    parser.add_argument("--skip-first", type=int, default=1, metavar="N",
-                        help="training steps left out at the start of each run (default 1)")
+        prog="ab_report", description="Compare a fsdp2 run and an odc run of verl from their file-logger metrics."
+    )
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help="a directory holding fsdp2.jsonl and odc.jsonl, or BASELINE.jsonl CANDIDATE.jsonl",
+    )
+    parser.add_argument(
+        "--labels", nargs=2, metavar=("BASELINE", "CANDIDATE"), help="column names (default: the file names)"
+    )
+    parser.add_argument(
+        "--skip-first",
+        type=int,
+        default=1,
+        metavar="N",
+        help="training steps left out at the start of each run (default 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
 

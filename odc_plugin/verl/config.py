@@ -46,8 +46,10 @@ class ODCEngineConfig(FSDPEngineConfig):
         if not self.odc_barrier_timeout_s > 0:
             raise ValueError(f"odc_barrier_timeout_s must be > 0, got {self.odc_barrier_timeout_s}")
         if min(self.odc_cost_fit_a, self.odc_cost_fit_b) < 0 or self.odc_cost_fit_a == self.odc_cost_fit_b == 0:
-            raise ValueError(f"odc_cost_fit_a and odc_cost_fit_b must be >= 0 and not both 0, got "
-                             f"{self.odc_cost_fit_a}, {self.odc_cost_fit_b}")
+            raise ValueError(
+                f"odc_cost_fit_a and odc_cost_fit_b must be >= 0 and not both 0, got "
+                f"{self.odc_cost_fit_a}, {self.odc_cost_fit_b}"
+            )
 
 
 def _check_choice(key: str, value: Any, choices) -> None:

@@ -138,10 +138,22 @@ def plan_mini_batches(
         local_lens = lens[start : start + mini_batch_size]
         local_groups = None if group_ids is None else list(group_ids[start : start + mini_batch_size])
         # verl's own equal-count split of this mini-batch (LB-Micro) stays unless LB-Mini predicts a real gain
-        equal = ([[share] for share in verl_rank_partition(local_lens, dp_size)]
-                 if local_groups is None and mini_batch_size % dp_size == 0 else None)
-        ranks = lb_mini(local_lens, dp_size, budget, cost=cost_model, group_ids=local_groups, rank_speed=rank_speed,
-                        micro_batch_cost=micro_batch_cost, baseline=equal, min_gain=min_gain)
+        equal = (
+            [[share] for share in verl_rank_partition(local_lens, dp_size)]
+            if local_groups is None and mini_batch_size % dp_size == 0
+            else None
+        )
+        ranks = lb_mini(
+            local_lens,
+            dp_size,
+            budget,
+            cost=cost_model,
+            group_ids=local_groups,
+            rank_speed=rank_speed,
+            micro_batch_cost=micro_batch_cost,
+            baseline=equal,
+            min_gain=min_gain,
+        )
         shares = [sorted(i for mb in rank for i in mb) for rank in ranks]
         _fill_empty_ranks(shares, costs[start : start + mini_batch_size])
         for r, share in enumerate(shares):
@@ -303,8 +315,9 @@ class LBMiniSettings:
 
     def for_inference(self, max_token_len: int | None, micro_batch_size: int | None) -> LBMiniSettings:
         """A forward-only pass of the same role: the whole batch at once, planned with this fit."""
-        return LBMiniSettings(None, self.cost, max_token_len, micro_batch_size, self.auto, fit_from=self,
-                              sp_size=self.sp_size)
+        return LBMiniSettings(
+            None, self.cost, max_token_len, micro_batch_size, self.auto, fit_from=self, sp_size=self.sp_size
+        )
 
     def observe(self, metrics: dict, role: str) -> dict[str, float]:
         """Take the auto fit the role's engine reported in the update's metrics (`<role>/odc/fit_*`,
@@ -314,20 +327,34 @@ class LBMiniSettings:
         speeds = []
         while f"{role}/odc/rank_speed_{len(speeds)}" in metrics:
             speeds.append(float(metrics[f"{role}/odc/rank_speed_{len(speeds)}"]))
-        self.fit = TimeFit(a=float(metrics[f"{role}/odc/fit_a"]), b=float(metrics[f"{role}/odc/fit_b"]),
-                           c=float(metrics[f"{role}/odc/fit_c"]), speeds=tuple(speeds),
-                           timings=int(metrics[f"{role}/odc/fit_timings"]),
-                           error=float(metrics.get(f"{role}/odc/fit_error", 0.0)))
-        return {"fit_c": self.fit.c, "fit_a": self.fit.a, "fit_b": self.fit.b, "fit_error": self.fit.error,
-                "rank_speed_min": min(speeds), "rank_speed_max": max(speeds)}
+        self.fit = TimeFit(
+            a=float(metrics[f"{role}/odc/fit_a"]),
+            b=float(metrics[f"{role}/odc/fit_b"]),
+            c=float(metrics[f"{role}/odc/fit_c"]),
+            speeds=tuple(speeds),
+            timings=int(metrics[f"{role}/odc/fit_timings"]),
+            error=float(metrics.get(f"{role}/odc/fit_error", 0.0)),
+        )
+        return {
+            "fit_c": self.fit.c,
+            "fit_a": self.fit.a,
+            "fit_b": self.fit.b,
+            "fit_error": self.fit.error,
+            "rank_speed_min": min(speeds),
+            "rank_speed_max": max(speeds),
+        }
 
 
 def plan_seconds(plan: MiniBatchPlan, seqlens: Sequence[int], fit: TimeFit) -> list[float]:
     """Per mini-batch, the fit's time of its slowest rank: what LB-Mini expected the plan to take."""
     costs = fit.costs([int(s) for s in seqlens])
-    return [max((sum(costs[p] for p in share) + fit.c * plan.micro_batches[r][i]) / fit.speeds[r]
-                for r, share in enumerate(mini_batch))
-            for i, mini_batch in enumerate(plan.shares())]
+    return [
+        max(
+            (sum(costs[p] for p in share) + fit.c * plan.micro_batches[r][i]) / fit.speeds[r]
+            for r, share in enumerate(mini_batch)
+        )
+        for i, mini_batch in enumerate(plan.shares())
+    ]
 
 
 def lb_mini_settings(

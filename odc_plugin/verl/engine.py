@@ -69,8 +69,10 @@ class _ODCEngineMixin:
         # verl would hand a bad fsdp_size to init_device_mesh, whose error names neither the key nor the fix.
         fsdp_size, world_size = self.engine_config.fsdp_size, dist.get_world_size()
         if 0 <= fsdp_size < world_size and (fsdp_size < 2 or world_size % fsdp_size):
-            raise ValueError(f"fsdp_size={fsdp_size} must divide the world size {world_size} and be at least 2 "
-                             f"with strategy odc (ranks per node for HSDP; -1 shards over all ranks)")
+            raise ValueError(
+                f"fsdp_size={fsdp_size} must divide the world size {world_size} and be at least 2 "
+                f"with strategy odc (ranks per node for HSDP; -1 shards over all ranks)"
+            )
         super()._init_device_mesh()
 
     def _build_fsdp_module(self, module):
@@ -79,13 +81,19 @@ class _ODCEngineMixin:
             module = super()._build_fsdp_module(module)
         transport = make_transport(odc_config.odc_transport, group=shard_group(module))
         self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
-        self.odc_time_fit = OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
+        self.odc_time_fit = (
+            OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
+        )
         self.expert_routing = ExpertRouting.of(module)
         replicas = self.odc.mesh.num_replicas
-        logger.info("odc: %s%s on %d ranks over %s%s", type(self).__name__,
-                    " (forward only)" if self.engine_config.forward_only else "", transport.world_size * replicas,
-                    type(transport).__name__,
-                    f" (HSDP: {replicas} replicas of {transport.world_size}-rank shard groups)" if replicas > 1 else "")
+        logger.info(
+            "odc: %s%s on %d ranks over %s%s",
+            type(self).__name__,
+            " (forward only)" if self.engine_config.forward_only else "",
+            transport.world_size * replicas,
+            type(transport).__name__,
+            f" (HSDP: {replicas} replicas of {transport.world_size}-rank shard groups)" if replicas > 1 else "",
+        )
         return module
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
@@ -112,7 +120,9 @@ class _ODCEngineMixin:
             for i, micro_batch in enumerate(micro_batches):
                 clock.start(micro_batch)
                 last = i == len(micro_batches) - 1
-                sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=last)
+                sync = (
+                    contextlib.nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=last)
+                )
                 with torch.no_grad() if forward_only else contextlib.nullcontext(), sync:
                     loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
                     if not forward_only:
@@ -151,26 +161,34 @@ class _ODCEngineMixin:
             raise ValueError(
                 f"the ranks {dist.get_process_group_ranks(group)} of one sequence-parallel group must run the same "
                 f"micro-batches, got {[len(m) for m in every]} micro-batches of "
-                f"{[sum(map(len, m)) for m in every]} sequences: every rank of a group must receive the same samples")
+                f"{[sum(map(len, m)) for m in every]} sequences: every rank of a group must receive the same samples"
+            )
 
     def _refit(self, timings: list[tuple[tuple[int, ...], float]]) -> dict[str, list[float]]:
         """Share this mini-batch's micro-batch timings with every rank (a collective, after the mini-batch
         has ended) and refit the auto cost; the fit, and each rank's speed, as metrics."""
         every: list = [None] * self.get_data_parallel_size()
         dist.all_gather_object(every, timings, group=self.get_data_parallel_group())
-        fit = self.odc_time_fit.add(MicroBatchTime(rank, lengths, seconds)
-                                    for rank, mine in enumerate(every) for lengths, seconds in mine)
+        fit = self.odc_time_fit.add(
+            MicroBatchTime(rank, lengths, seconds) for rank, mine in enumerate(every) for lengths, seconds in mine
+        )
         if fit is None:
             return {}
-        values = {"odc/fit_c": fit.c, "odc/fit_a": fit.a, "odc/fit_b": fit.b, "odc/fit_timings": float(fit.timings),
-                  "odc/fit_error": fit.error}
+        values = {
+            "odc/fit_c": fit.c,
+            "odc/fit_a": fit.a,
+            "odc/fit_b": fit.b,
+            "odc/fit_timings": float(fit.timings),
+            "odc/fit_error": fit.error,
+        }
         values.update({f"odc/rank_speed_{r}": v for r, v in enumerate(fit.speeds)})
         return {key: [value] for key, value in values.items()}
 
     def _odc_metrics(self, stats, num_micro_batches: int) -> dict[str, float]:
         """Compute and barrier-wait time over ranks (a collective, after the mini-batch has ended)."""
-        mine = torch.tensor([stats.compute_s, stats.wait_s, float(num_micro_batches)], dtype=torch.float64,
-                            device=get_device_id())
+        mine = torch.tensor(
+            [stats.compute_s, stats.wait_s, float(num_micro_batches)], dtype=torch.float64, device=get_device_id()
+        )
         every = [torch.empty_like(mine) for _ in range(self.get_data_parallel_size())]
         dist.all_gather(every, mine, group=self.get_data_parallel_group())
         compute, wait, micro = torch.stack(every).cpu().unbind(1)

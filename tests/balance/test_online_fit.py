@@ -74,8 +74,11 @@ def test_lb_mini_gives_a_slow_rank_work_in_proportion_to_its_speed():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(20, 1000), min_size=1, max_size=24), st.integers(1, 4),
-       st.sampled_from([0.0, 100.0, 1000.0, 5000.0]))
+@given(
+    st.lists(st.integers(20, 1000), min_size=1, max_size=24),
+    st.integers(1, 4),
+    st.sampled_from([0.0, 100.0, 1000.0, 5000.0]),
+)
 def test_with_a_micro_batch_cost_lb_mini_is_never_slower_than_without(lens, dp, cost_per_micro_batch):
     """Time of a rank: its tokens plus the micro-batch cost per micro-batch it actually runs."""
 
@@ -87,8 +90,9 @@ def test_with_a_micro_batch_cost_lb_mini_is_never_slower_than_without(lens, dp, 
     assert makespan(aware) <= makespan(lb_mini(lens, dp, 1000)) + 1e-9
 
 
-@pytest.mark.parametrize("speeds,message", [([1.0], "rank_speed needs 2 values > 0"),
-                                            ([1.0, 0.0], "rank_speed needs 2 values > 0")])
+@pytest.mark.parametrize(
+    "speeds,message", [([1.0], "rank_speed needs 2 values > 0"), ([1.0, 0.0], "rank_speed needs 2 values > 0")]
+)
 def test_bad_speeds_are_refused(speeds, message):
     with pytest.raises(ValueError, match=message):
         lb_mini([1, 2, 3], 2, 10, rank_speed=speeds)

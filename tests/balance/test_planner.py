@@ -7,8 +7,16 @@ import json
 import pytest
 
 from odc_plugin.balance import get_cost_model, rl_math_like
-from odc_plugin.balance.planner import (ClusterModel, StepTimeModel, compare_schemes, length_source, main,
-                                        model_params, plan_table, simulate_minibatch)
+from odc_plugin.balance.planner import (
+    ClusterModel,
+    StepTimeModel,
+    compare_schemes,
+    length_source,
+    main,
+    model_params,
+    plan_table,
+    simulate_minibatch,
+)
 
 
 def test_lockstep_pays_the_slowest_rank_per_micro_batch():
@@ -96,14 +104,25 @@ def test_model_params_of_the_presets():
     assert model_params("Qwen2.5-0.5B") == pytest.approx(0.494e9, rel=1e-3)  # tied
 
 
-@pytest.mark.parametrize("nodes,inter_node_bw,pick", [(2, 1e12, "odc_flat"), (2, 4e10, "odc_hsdp"),
-                                                      (4, 1e9, "fsdp_hsdp")])
+@pytest.mark.parametrize(
+    "nodes,inter_node_bw,pick", [(2, 1e12, "odc_flat"), (2, 4e10, "odc_hsdp"), (4, 1e9, "fsdp_hsdp")]
+)
 def test_cli_nodes_picks_by_network(nodes, inter_node_bw, pick, capsys):
     """SFT lengths: at InfiniBand speed ODC's balance pays for its all-reduce; a network as fast as NVLink
     hides flat ODC's traffic and saves the all-reduce; over a slow one the all-reduce, which FSDP overlaps
     with every micro-batch's compute, costs ODC more than FSDP's imbalance."""
-    args = ["--nodes", str(nodes), "--lengths", "sft", "--minibatch-sizes", "128", "--draws", "2",
-            "--inter-node-bw", str(inter_node_bw)]
+    args = [
+        "--nodes",
+        str(nodes),
+        "--lengths",
+        "sft",
+        "--minibatch-sizes",
+        "128",
+        "--draws",
+        "2",
+        "--inter-node-bw",
+        str(inter_node_bw),
+    ]
     main([*args, "--json"])
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert row["pick"] == pick, row

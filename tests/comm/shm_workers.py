@@ -18,7 +18,7 @@ def concurrent_accumulate(rank, world_size, rounds):
     for peer in range(world_size):
         t.get(params, peer, 8, pulled[peer])
     ones = torch.ones(1000)
-    for i in range(rounds):
+    for _ in range(rounds):
         for k in range(world_size):
             peer = (rank + k) % world_size
             t.accumulate(acc, peer, 0, ones * (rank + 1))

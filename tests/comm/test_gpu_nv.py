@@ -19,11 +19,15 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("staging", [StagingConfig(slot_bytes=4096, slots=2),
-                                     StagingConfig(slot_bytes=1 << 20, slots=1)], ids=["tiny-slots", "one-slot"])
+@pytest.mark.parametrize(
+    "staging",
+    [StagingConfig(slot_bytes=4096, slots=2), StagingConfig(slot_bytes=1 << 20, slots=1)],
+    ids=["tiny-slots", "one-slot"],
+)
 def test_conformance_one_pe_loopback(staging):
-    (res,) = run_ranks(transport_workers.conformance, 1, "nvshmem", {"loopback": True, "staging": staging},
-                       timeout_s=300)
+    (res,) = run_ranks(
+        transport_workers.conformance, 1, "nvshmem", {"loopback": True, "staging": staging}, timeout_s=300
+    )
     assert res == {"gets": True, "first": True, "second": True}
 
 
@@ -41,6 +45,13 @@ def test_heap_too_small_names_the_size_needed():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="several PEs need one GPU each")
 def test_conformance_several_pes():
     world = min(3, torch.cuda.device_count())
-    for rank, res in enumerate(run_ranks(transport_workers.conformance, world, "nvshmem",
-                                         {"staging": StagingConfig(slot_bytes=1 << 16, slots=2)}, timeout_s=300)):
+    for rank, res in enumerate(
+        run_ranks(
+            transport_workers.conformance,
+            world,
+            "nvshmem",
+            {"staging": StagingConfig(slot_bytes=1 << 16, slots=2)},
+            timeout_s=300,
+        )
+    ):
         assert res == {"gets": True, "first": True, "second": True}, rank

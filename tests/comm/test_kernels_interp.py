@@ -60,8 +60,9 @@ def check_kernels(kernels, device):
 
 
 def test_kernels_in_the_triton_interpreter(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is not installed (the `gpu` extra); interpreter test skipped",
-                        exc_type=ImportError)
+    pytest.importorskip(
+        "triton", reason="Triton is not installed (the `gpu` extra); interpreter test skipped", exc_type=ImportError
+    )
     # The interpreter is chosen when a kernel is decorated: load a private copy of the module with it on,
     # so that a process that also runs the GPU tests keeps its compiled kernels.
     monkeypatch.setenv("TRITON_INTERPRET", "1")

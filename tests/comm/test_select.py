@@ -17,13 +17,17 @@ def test_peers_on_the_same_node_use_cuda_ipc_the_rest_go_remote():
 
 
 # explicit ids: `-k "not shm"` would drop any test whose id contains "shm" (nvshmem included)
-@pytest.mark.parametrize("hosts,device,expected", [
-    (["n0"], "cuda", "cuda_ipc"),
-    (["n0"] * 8, "cuda", "cuda_ipc"),
-    (["n0"] * 8 + ["n1"], "cuda", "nvshmem"),
-    (["n0", "n1"], "cuda", "nvshmem"),
-    (["n0"] * 4, "cpu", "shm"),
-], ids=["gpu-1rank", "gpu-1node", "gpu-2nodes-uneven", "gpu-2nodes", "cpu-1node"])
+@pytest.mark.parametrize(
+    "hosts,device,expected",
+    [
+        (["n0"], "cuda", "cuda_ipc"),
+        (["n0"] * 8, "cuda", "cuda_ipc"),
+        (["n0"] * 8 + ["n1"], "cuda", "nvshmem"),
+        (["n0", "n1"], "cuda", "nvshmem"),
+        (["n0"] * 4, "cpu", "shm"),
+    ],
+    ids=["gpu-1rank", "gpu-1node", "gpu-2nodes-uneven", "gpu-2nodes", "cpu-1node"],
+)
 def test_one_transport_for_the_group(hosts, device, expected):
     assert choose_transport(hosts, device) == expected
 

@@ -28,8 +28,9 @@ def test_rank_arriving_after_its_peers_gave_up_fails_at_that_barrier():
     results = run_ranks(transport_workers.late_rank, 3, "shm", 2, 3.0)
     for rank in (0, 1):
         assert results[rank] == f"rank {rank}: ODC barrier #1 timed out after 1s; rank(s) [2] did not arrive"
-    assert results[2] == ("rank 2: ODC barrier #1 failed: rank(s) [0, 1] timed out waiting at it and gave up "
-                          "before every rank arrived")
+    assert results[2] == (
+        "rank 2: ODC barrier #1 failed: rank(s) [0, 1] timed out waiting at it and gave up before every rank arrived"
+    )
 
 
 def test_out_of_range_access_is_a_clear_error():

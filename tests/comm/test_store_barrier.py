@@ -16,5 +16,6 @@ def test_missing_rank_is_named_and_a_late_arrival_fails_too():
     assert len(deciders) == 1, results
     for rank, message in enumerate(results):
         if rank not in deciders:
-            assert re.fullmatch(rf"rank {rank}: ODC barrier #6 failed: rank {deciders[0]}: {re.escape(decided)}",
-                                message), message
+            assert re.fullmatch(
+                rf"rank {rank}: ODC barrier #6 failed: rank {deciders[0]}: {re.escape(decided)}", message
+            ), message

@@ -18,10 +18,19 @@ from odc_plugin.comm.nvshmem import (
 )
 
 
-@pytest.mark.parametrize("text,value", [
-    ("1073741824", 1 << 30), ("512M", 512 << 20), ("512m", 512 << 20), ("2G", 2 << 30), ("64k", 64 << 10),
-    ("1.5G", 3 << 29), (" 1t ", 1 << 40), ("0.5k", 512),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("1073741824", 1 << 30),
+        ("512M", 512 << 20),
+        ("512m", 512 << 20),
+        ("2G", 2 << 30),
+        ("64k", 64 << 10),
+        ("1.5G", 3 << 29),
+        (" 1t ", 1 << 40),
+        ("0.5k", 512),
+    ],
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -60,15 +69,18 @@ def test_heap_needed():
 
 def test_heap_message_names_the_size_needed():
     msg = heap_too_small_message(int(2.5 * (1 << 30)), 1 << 30, "region 'odc.grads'")
-    assert msg.startswith("NVSHMEM symmetric heap too small for region 'odc.grads': "
-                          "ODC needs at least 2684354560 bytes")
+    assert msg.startswith(
+        "NVSHMEM symmetric heap too small for region 'odc.grads': ODC needs at least 2684354560 bytes"
+    )
     assert "NVSHMEM_SYMMETRIC_SIZE gives 1073741824 bytes (1.00 GiB)" in msg
     assert "Set NVSHMEM_SYMMETRIC_SIZE=3G or more" in msg
 
 
 def test_gpu_transports_import_without_optional_deps():
-    code = ("import sys; sys.modules['triton'] = None; sys.modules['nvshmem'] = None\n"
-            "import odc_plugin.comm as c, odc_plugin.comm.cuda_ipc, odc_plugin.comm.nvshmem, odc_plugin.comm.select\n"
-            "try:\n    import odc_plugin.comm.kernels\nexcept ImportError as e:\n    print(e)\n")
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['nvshmem'] = None\n"
+        "import odc_plugin.comm as c, odc_plugin.comm.cuda_ipc, odc_plugin.comm.nvshmem, odc_plugin.comm.select\n"
+        "try:\n    import odc_plugin.comm.kernels\nexcept ImportError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "the ODC GPU transports need Triton" in out

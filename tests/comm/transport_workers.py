@@ -49,7 +49,10 @@ def conformance(rank, world_size, kind, options):
     acc = t.alloc("acc", N, torch.float32)
     acc2 = t.alloc("acc2", 100, torch.float32)  # a second accumulator: slots name their region
     flag = t.alloc("flag", 1, torch.int64)
-    pattern = lambda r: ((torch.arange(params.numel, device=dev) + 7 * r) % 251).to(torch.uint8)
+
+    def pattern(r):
+        return ((torch.arange(params.numel, device=dev) + 7 * r) % 251).to(torch.uint8)
+
     params.local.copy_(pattern(rank))
     t.signal(flag, 0, 1)
 
@@ -94,8 +97,10 @@ def conformance(rank, world_size, kind, options):
             t.wait_at_least(flag, peer, 0, 2, 60.0, "second publish")
             t.accumulate(acc, peer, 0, ones[:1000] * (rank + 1))
     t.barrier(60.0)
-    second = acc.local[:1000].cpu().eq(sum(r + 1 for r in range(world_size))).all().item() and \
-        acc.local[1000:].cpu().eq(0).all().item()
+    second = (
+        acc.local[:1000].cpu().eq(sum(r + 1 for r in range(world_size))).all().item()
+        and acc.local[1000:].cpu().eq(0).all().item()
+    )
     t.close()
     return {"gets": gets_ok, "first": first, "second": second}
 

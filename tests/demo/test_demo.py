@@ -8,15 +8,22 @@ import pytest
 
 from odc_plugin.demo import main
 from odc_plugin.demo.config import DemoConfig
+from odc_plugin.demo.rows import FACTORS, ROWS
 from odc_plugin.demo.run import run_demo
 from odc_plugin.demo.workload import draw_minibatches
 from odc_plugin.models import MODEL_SIZES
-from odc_plugin.demo.rows import FACTORS, ROWS
 
 
 def test_tiny_demo_reports_four_rows_that_train_the_same_samples_to_the_same_parameters(tmp_path, capfd):
-    cfg = DemoConfig(ranks=2, steps=2, model_size="tiny", mini_batch_size=2, max_response_length=256,
-                     max_token_len=512, out_dir=str(tmp_path))
+    cfg = DemoConfig(
+        ranks=2,
+        steps=2,
+        model_size="tiny",
+        mini_batch_size=2,
+        max_response_length=256,
+        max_token_len=512,
+        out_dir=str(tmp_path),
+    )
     report = run_demo(cfg)
     with open(tmp_path / "odc_demo.json") as f:
         assert json.load(f) == json.loads(json.dumps(report))
@@ -71,14 +78,17 @@ def test_lengths_file_drives_the_mini_batches(tmp_path):
     assert {s.total for s in batch} <= {40, 300, 120, 900, 64} and len(batch) == 16
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--ranks", "0"], "--ranks must be >= 1"),
-    (["--model-size", "huge"], "invalid choice: 'huge'"),
-    (["--lengths", "/nonexistent"], "--lengths file not found: /nonexistent"),
-    (["--max-token-len", "100"], "--max-token-len 100 is below the longest possible sample"),
-    (["--workload", "pretrain"], "invalid choice: 'pretrain'"),
-    (["--mini-batch-size", "0"], "--mini-batch-size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ranks", "0"], "--ranks must be >= 1"),
+        (["--model-size", "huge"], "invalid choice: 'huge'"),
+        (["--lengths", "/nonexistent"], "--lengths file not found: /nonexistent"),
+        (["--max-token-len", "100"], "--max-token-len 100 is below the longest possible sample"),
+        (["--workload", "pretrain"], "invalid choice: 'pretrain'"),
+        (["--mini-batch-size", "0"], "--mini-batch-size must be >= 1"),
+    ],
+)
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)

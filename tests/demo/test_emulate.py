@@ -35,8 +35,9 @@ def _timed_pass(layer, x):
 
 def test_an_emulated_layer_takes_its_fitted_forward_and_backward_time():
     # 2 layers sharing 0.6 s per micro-batch: each 0.3 s, 0.1 s forward and 0.2 s backward
-    fit = EmulationFit(FitCost(0.0, 0.6 / 1000), num_layers=1, backward_ratio=2.0, time_scale=1.0, model="test",
-                       source="test")
+    fit = EmulationFit(
+        FitCost(0.0, 0.6 / 1000), num_layers=1, backward_ratio=2.0, time_scale=1.0, model="test", source="test"
+    )
     emulator = ComputeEmulator(fit, 1.0, num_layers=2)
     layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
     emulator.attach(layers)
@@ -73,9 +74,19 @@ def test_the_planner_paces_lockstep_by_the_slow_rank_at_every_step_and_odc_only_
 
 
 def test_an_8_rank_emulated_run_trains_every_sample_once_per_row_to_the_same_parameters(tmp_path):
-    cfg = DemoConfig(ranks=8, steps=2, workload="rl", mini_batch_size=8, max_prompt_length=512,
-                     max_response_length=16384, max_token_len=16896, emulate=FIT_FILE, time_scale=0.05,
-                     slow_ranks="3:2", out_dir=str(tmp_path))
+    cfg = DemoConfig(
+        ranks=8,
+        steps=2,
+        workload="rl",
+        mini_batch_size=8,
+        max_prompt_length=512,
+        max_response_length=16384,
+        max_token_len=16896,
+        emulate=FIT_FILE,
+        time_scale=0.05,
+        slow_ranks="3:2",
+        out_dir=str(tmp_path),
+    )
     report = run_demo(cfg, quiet=True)
     assert report["config"]["model_size"] == "stand-in" and report["calibration"]["time_scale"] == 0.05
     for row, r in report["runs"].items():
@@ -92,9 +103,20 @@ def test_an_8_rank_emulated_run_trains_every_sample_once_per_row_to_the_same_par
 
 
 def test_the_auto_row_starts_from_flops_then_gives_a_slow_rank_less_work(tmp_path):
-    cfg = DemoConfig(ranks=4, steps=3, workload="rl", mini_batch_size=8, max_prompt_length=512,
-                     max_response_length=16384, max_token_len=16896, emulate=FIT_FILE, time_scale=0.15,
-                     slow_ranks="1:2", cost="auto", out_dir=str(tmp_path))
+    cfg = DemoConfig(
+        ranks=4,
+        steps=3,
+        workload="rl",
+        mini_batch_size=8,
+        max_prompt_length=512,
+        max_response_length=16384,
+        max_token_len=16896,
+        emulate=FIT_FILE,
+        time_scale=0.15,
+        slow_ranks="1:2",
+        cost="auto",
+        out_dir=str(tmp_path),
+    )
     report = run_demo(cfg, quiet=True)
     auto = report["runs"][AUTO_ROW]
     assert report["auto_fits"][0] is None  # no timings yet: the FLOPs prior planned the first mini-batch
@@ -112,8 +134,22 @@ def test_the_auto_row_starts_from_flops_then_gives_a_slow_rank_less_work(tmp_pat
 
 
 def test_a_sweep_point_writes_its_json_and_picture(tmp_path, capsys):
-    main(["--emulate", FIT_FILE, "--sweep-ranks", "4", "--workload", "rl", "--steps", "1", "--time-scale", "0.02",
-          "--out-dir", str(tmp_path)])
+    main(
+        [
+            "--emulate",
+            FIT_FILE,
+            "--sweep-ranks",
+            "4",
+            "--workload",
+            "rl",
+            "--steps",
+            "1",
+            "--time-scale",
+            "0.02",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     result = json.loads((tmp_path / "odc_sweep.json").read_text())
     (point,) = result["points"]
     assert (point["workload"], point["ranks"], point["samples_per_minibatch"]) == ("rl", 4, 16)
@@ -128,21 +164,26 @@ def test_slow_ranks_spec():
     assert parse_slow_ranks(None, 4) == {}
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--emulate", "/nonexistent.json"], "cost calibration '/nonexistent.json' cannot be read"),
-    (["--emulate", NOT_JSON], f"cost calibration {NOT_JSON!r} is not JSON"),
-    (["--slow-ranks", "1"], "--slow-ranks: '1' is not RANK:FACTOR (e.g. 3:1.5)"),
-    (["--slow-ranks", "1:x"], "--slow-ranks: '1:x' is not RANK:FACTOR"),
-    (["--ranks", "2", "--slow-ranks", "2:1.5"], "--slow-ranks: rank 2 is out of range for 2 ranks"),
-    (["--slow-ranks", "0:0"], "--slow-ranks: factor of rank 0 must be > 0, got 0"),
-    (["--slow-ranks", "0:2,0:3"], "--slow-ranks: rank 0 is given twice"),
-    (["--sweep-ranks", "4"], "--sweep-ranks runs many ranks on this machine's cores: it needs --emulate"),
-    (["--emulate", FIT_FILE, "--sweep-ranks", "2", "4", "--slow-ranks", "3:2"],
-     "--slow-ranks: rank 3 is out of range for 2 ranks"),
-    (["--time-scale", "2"], "--time-scale scales emulated compute: it needs --emulate"),
-    (["--emulate", FIT_FILE, "--time-scale", "fast"], "must be a number or 'auto', got 'fast'"),
-    (["--emulate", FIT_FILE, "--time-scale", "-1"], "--time-scale must be a number > 0 or 'auto', got -1.0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--emulate", "/nonexistent.json"], "cost calibration '/nonexistent.json' cannot be read"),
+        (["--emulate", NOT_JSON], f"cost calibration {NOT_JSON!r} is not JSON"),
+        (["--slow-ranks", "1"], "--slow-ranks: '1' is not RANK:FACTOR (e.g. 3:1.5)"),
+        (["--slow-ranks", "1:x"], "--slow-ranks: '1:x' is not RANK:FACTOR"),
+        (["--ranks", "2", "--slow-ranks", "2:1.5"], "--slow-ranks: rank 2 is out of range for 2 ranks"),
+        (["--slow-ranks", "0:0"], "--slow-ranks: factor of rank 0 must be > 0, got 0"),
+        (["--slow-ranks", "0:2,0:3"], "--slow-ranks: rank 0 is given twice"),
+        (["--sweep-ranks", "4"], "--sweep-ranks runs many ranks on this machine's cores: it needs --emulate"),
+        (
+            ["--emulate", FIT_FILE, "--sweep-ranks", "2", "4", "--slow-ranks", "3:2"],
+            "--slow-ranks: rank 3 is out of range for 2 ranks",
+        ),
+        (["--time-scale", "2"], "--time-scale scales emulated compute: it needs --emulate"),
+        (["--emulate", FIT_FILE, "--time-scale", "fast"], "must be a number or 'auto', got 'fast'"),
+        (["--emulate", FIT_FILE, "--time-scale", "-1"], "--time-scale must be a number > 0 or 'auto', got -1.0"),
+    ],
+)
 def test_bad_emulation_options_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)

@@ -19,8 +19,9 @@ def test_a_collective_is_transfer_for_the_last_to_arrive_and_waiting_for_the_oth
 
 
 def test_one_sided_calls_are_transfer_and_waits_for_peers_or_barriers_are_waiting():
-    (part,) = breakdown(2.0, [2.0], [[(0.0, 0.1, TRANSFER), (0.5, 0.8, PUBLISHED), (1.0, 1.5, BARRIER),
-                                      (1.6, 1.7, TRANSFER)]])
+    (part,) = breakdown(
+        2.0, [2.0], [[(0.0, 0.1, TRANSFER), (0.5, 0.8, PUBLISHED), (1.0, 1.5, BARRIER), (1.6, 1.7, TRANSFER)]]
+    )
     assert part == pytest.approx({"compute_s": 1.0, "comm_s": 0.2, "wait_s": 0.8, "barriers": 1})
 
 

@@ -48,6 +48,7 @@ class CollectiveCounter:
             if self.counting:
                 self.calls.append(name)
             return fn(*args, **kwargs)
+
         return wrapper
 
     def take(self) -> list[str]:
@@ -94,8 +95,11 @@ def train(rank, world_size, seqs, plans, use_odc, mixed_precision, count=False):
 
 def stock_and_odc(rank, world_size, seqs, plans):
     """Stock FSDP2 HSDP and ODC on the same mesh and equal counts, fp32 and bf16 params / fp32 reduce."""
-    return {(mp, use_odc): train(rank, world_size, seqs, plans, use_odc, mp)
-            for mp in (False, True) for use_odc in (False, True)}
+    return {
+        (mp, use_odc): train(rank, world_size, seqs, plans, use_odc, mp)
+        for mp in (False, True)
+        for use_odc in (False, True)
+    }
 
 
 def die_mid_minibatch(rank, world_size, seqs, plan, victim, timeout_s):

@@ -23,9 +23,13 @@ from . import workers
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-        reason="needs a CUDA GPU and Triton (the `gpu` extra) for the cuda_ipc transport")),
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+            reason="needs a CUDA GPU and Triton (the `gpu` extra) for the cuda_ipc transport",
+        ),
+    ),
 ]
 
 
@@ -149,8 +153,9 @@ def test_an_exception_in_a_minibatch_fails_the_peers_at_once_and_the_rank_can_be
     assert outcome == "RuntimeError: simulated out of memory" and retried
     for rank in (0, 2):
         outcome, elapsed, _ = results[rank]
-        assert outcome == (f"ODCPeerFailedError: rank {rank}: rank 1 failed in its mini-batch: RuntimeError: "
-                           f"simulated out of memory"), outcome
+        assert outcome == (
+            f"ODCPeerFailedError: rank {rank}: rank 1 failed in its mini-batch: RuntimeError: simulated out of memory"
+        ), outcome
         assert elapsed < 5, elapsed  # not the 600 s barrier timeout
     print(f"peers failed after {results[0][1]:.2f} s and {results[2][1]:.2f} s")
 
@@ -175,7 +180,10 @@ def test_killed_rank_makes_the_others_time_out_naming_it():
     message = str(info.value)
     assert "rank 1: exited with code 17 and left no result" in message
     for survivor in (0, 2):
-        assert f"ODCTimeoutError: rank {survivor}: ODC barrier #1 timed out after 3s; rank(s) [1] did not arrive" in message
+        assert (
+            f"ODCTimeoutError: rank {survivor}: ODC barrier #1 timed out after 3s; rank(s) [1] did not arrive"
+            in message
+        )
     assert time.monotonic() - start < 60
 
 
@@ -185,8 +193,9 @@ def test_rank_killed_during_setup_leaves_no_shared_memory_files(stage, victim):
         run_ranks(workers.die_during_setup, 3, victim, stage, timeout_s=120, failure_grace_s=20)
     message = str(info.value).splitlines()[0]  # every rank's error, then the first one's traceback
     assert re.search(rf"rank {victim}( failed)?: exited with code 17 and left no result", message), message
-    prefixes = set(re.findall(r"RuntimeError: rank \d: setting up shared-memory region '[\w.]+' \((/dev/shm/odc-\w+)-",
-                              message))
+    prefixes = set(
+        re.findall(r"RuntimeError: rank \d: setting up shared-memory region '[\w.]+' \((/dev/shm/odc-\w+)-", message)
+    )
     # every survivor's set-up failed, naming the files it was setting up; none of them is left
     assert len(re.findall(r"setting up shared-memory region", message)) == 2, message
     assert len(prefixes) == 1, message

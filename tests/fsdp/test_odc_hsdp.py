@@ -29,8 +29,10 @@ def uneven_run():
     # The data of test_odc_core's AdamW test: on some draws (seed 7, say) a few weights whose gradient is
     # near zero end up 1.5e-6 off after three Adam steps, flat ODC and HSDP alike (summation order).
     seqs = workers.make_sequences(12, seed=6)
-    plans = [random_plan(len(seqs), counts, seed=6 + k) for k, counts in enumerate([[3, 0, 1, 2], [2, 1, 0, 0],
-                                                                                       [0, 0, 2, 3]])]
+    plans = [
+        random_plan(len(seqs), counts, seed=6 + k)
+        for k, counts in enumerate([[3, 0, 1, 2], [2, 1, 0, 0], [0, 0, 2, 3]])
+    ]
     per_rank = run_ranks(hsdp_workers.train, WORLD, seqs, plans, True, False, True)
     return seqs, plans, per_rank
 
@@ -95,9 +97,11 @@ def test_rank_killed_in_one_node_fails_every_rank_of_both_naming_it():
     message = str(info.value).splitlines()[0]
     assert re.search(r"rank 3( failed)?: exited with code 17 and left no result", message), message
     for survivor in (0, 1, 2):
-        assert re.search(rf"rank {survivor}( failed)?: ODCTimeoutError: rank {survivor}: ODC barrier #1 "
-                         rf"(failed: rank \d: ODC barrier #1 )?timed out after 3s; rank\(s\) \[3\] did not arrive",
-                         message), message
+        assert re.search(
+            rf"rank {survivor}( failed)?: ODCTimeoutError: rank {survivor}: ODC barrier #1 "
+            rf"(failed: rank \d: ODC barrier #1 )?timed out after 3s; rank\(s\) \[3\] did not arrive",
+            message,
+        ), message
     print(f"every survivor failed naming rank 3; run took {elapsed:.1f}s")
     assert elapsed < 60
 

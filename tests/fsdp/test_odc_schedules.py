@@ -32,12 +32,12 @@ def uneven_steps(world_size: int, n_steps: int = 3) -> list[dict]:
     steps = []
     for k in range(n_steps):
         s, image = 100 * k, k < n_steps - 1
-        train = [[[sample(s + 1, (0, 1)), sample(s + 2, (0, 2))], [sample(s + 3, (2,))], [sample(s + 4, (0, 1, 2))]],
-                 [[sample(s + 5, (0, 1), image), sample(s + 6, (1,), image)]],
-                 []]
-        score = [[[sample(s + 7, (0,))]],
-                 [[sample(s + 8, (1, 2), image)], [sample(s + 9, (0,))]],
-                 []]
+        train = [
+            [[sample(s + 1, (0, 1)), sample(s + 2, (0, 2))], [sample(s + 3, (2,))], [sample(s + 4, (0, 1, 2))]],
+            [[sample(s + 5, (0, 1), image), sample(s + 6, (1,), image)]],
+            [],
+        ]
+        score = [[[sample(s + 7, (0,))]], [[sample(s + 8, (1, 2), image)], [sample(s + 9, (0,))]], []]
         steps.append({"train": train[:world_size], "score": score[:world_size]})
     return steps
 
@@ -48,8 +48,12 @@ def even_steps(n_steps: int = 3) -> list[dict]:
     steps = []
     for k in range(n_steps):
         s, image = 100 * k, k < n_steps - 1
-        steps.append({"train": [[[sample(s + 1, (0, 2), image)]], [[sample(s + 2, (0, 2), image)]]],
-                      "score": [[[sample(s + 3, (0, 2))]], [[sample(s + 4, (0, 2))]]]})
+        steps.append(
+            {
+                "train": [[[sample(s + 1, (0, 2), image)]], [[sample(s + 2, (0, 2), image)]]],
+                "score": [[[sample(s + 3, (0, 2))]], [[sample(s + 4, (0, 2))]]],
+            }
+        )
     return steps
 
 
@@ -88,9 +92,10 @@ def test_uneven_counts_and_module_subsets_equal_single_process_math(world_size, 
     for k, want in enumerate(expected):
         # the schedule does what it claims: expert 3 unused everywhere, the tower only in the last step,
         # expert 2 used by rank 0 alone
-        assert [n for n in want["no_grad"] if not n.startswith("experts.3.")] == \
-            ([] if k < len(steps) - 1 else ["tower.0.bias", "tower.0.weight", "tower.2.bias", "tower.2.weight"])
-        for rank, (params, records) in enumerate(per_rank):
+        assert [n for n in want["no_grad"] if not n.startswith("experts.3.")] == (
+            [] if k < len(steps) - 1 else ["tower.0.bias", "tower.0.weight", "tower.2.bias", "tower.2.weight"]
+        )
+        for rank, (_, records) in enumerate(per_rank):
             got = records[k]
             assert got["no_grad"] == want["no_grad"], (rank, k)
             torch.testing.assert_close(got["scores"], want["scores"][rank], rtol=1e-5, atol=1e-6)
@@ -105,8 +110,9 @@ def test_stock_fsdp2_cannot_run_the_uneven_schedule():
     # Short timeouts: a rank waiting for a collective its peer never issues fails in seconds, and the
     # launcher kills whatever still hangs (torch 2.11's FSDP2 can hang past the process-group timeout).
     with pytest.raises(RankFailed):
-        run_ranks(workers.train_routed, 2, uneven_steps(2), EVAL_BATCH, False,
-                  timeout_s=30, pg_timeout_s=5, failure_grace_s=5)
+        run_ranks(
+            workers.train_routed, 2, uneven_steps(2), EVAL_BATCH, False, timeout_s=30, pg_timeout_s=5, failure_grace_s=5
+        )
 
 
 def test_bf16_params_with_unused_experts_match_stock_fsdp2():

@@ -40,8 +40,9 @@ def _full_on_cpu(tensors: dict[str, DTensor | None]) -> dict[str, torch.Tensor]:
     """Whole tensors on CPU, gathered over gloo from CPU copies of the shards (whatever their device)."""
     cpu_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     return {
-        name: DTensor.from_local(t.to_local().detach().cpu(), cpu_mesh, t.placements, shape=t.shape,
-                                 stride=t.stride()).full_tensor()
+        name: DTensor.from_local(
+            t.to_local().detach().cpu(), cpu_mesh, t.placements, shape=t.shape, stride=t.stride()
+        ).full_tensor()
         for name, t in tensors.items()
     }
 
@@ -79,9 +80,12 @@ def odc_grads(rank, world_size, seqs, plan, device="cpu", timeout_s=60.0):
     with odc.minibatch():
         for mb in plan[rank]:
             token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
-    sizes = {"params_bytes": odc.params.numel, "grads_numel": odc.grad_numel,
-             "model_numel": sum(p.numel() for p in model.parameters()),
-             "padding_bound": sum(p.numel() // p.shape[0] for p in model.parameters())}
+    sizes = {
+        "params_bytes": odc.params.numel,
+        "grads_numel": odc.grad_numel,
+        "model_numel": sum(p.numel() for p in model.parameters()),
+        "padding_bound": sum(p.numel() // p.shape[0] for p in model.parameters()),
+    }
     return full_grads(model), sizes
 
 
@@ -124,7 +128,8 @@ def _collective_names() -> list[str]:
 
     c10d = dist.distributed_c10d
     return [
-        name for name in c10d.__all__
+        name
+        for name in c10d.__all__
         if inspect.isfunction(getattr(c10d, name, None))
         and "group" in inspect.signature(getattr(c10d, name)).parameters
         and not name.startswith(("get_", "destroy_", "new_", "shrink_"))
@@ -147,6 +152,7 @@ def collectives_called():
             ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
             calls.append((name, ranks))
             return fn(*args, **kwargs)
+
         return wrapper
 
     modules = (dist, dist.distributed_c10d)
@@ -248,10 +254,13 @@ class RoutedModel(torch.nn.Module):
         super().__init__()
         nn = torch.nn
         self.embed = nn.Embedding(ROUTED_VOCAB, ROUTED_DIM)
-        self.tower = nn.Sequential(nn.Linear(ROUTED_DIM, 2 * ROUTED_DIM), nn.Tanh(), nn.Linear(2 * ROUTED_DIM, ROUTED_DIM))
+        self.tower = nn.Sequential(
+            nn.Linear(ROUTED_DIM, 2 * ROUTED_DIM), nn.Tanh(), nn.Linear(2 * ROUTED_DIM, ROUTED_DIM)
+        )
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(ROUTED_DIM, 2 * ROUTED_DIM), nn.GELU(), nn.Linear(2 * ROUTED_DIM, ROUTED_DIM))
-            for _ in range(EXPERTS))
+            for _ in range(EXPERTS)
+        )
         self.head = nn.Linear(ROUTED_DIM, ROUTED_VOCAB)
 
     def forward(self, samples) -> torch.Tensor:
@@ -271,8 +280,10 @@ class RoutedModel(torch.nn.Module):
             if len(idx):
                 out = out.index_add(0, idx, expert(h[idx]))
         logits = self.head(torch.tanh(out)).float()
-        return sum(torch.nn.functional.cross_entropy(lg[:-1], t[1:], reduction="sum")
-                   for lg, (t, _) in zip(logits.split(lengths), samples))
+        return sum(
+            torch.nn.functional.cross_entropy(lg[:-1], t[1:], reduction="sum")
+            for lg, (t, _) in zip(logits.split(lengths), samples)
+        )
 
 
 def routed_sample(seed: int, experts: tuple[int, ...], image: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

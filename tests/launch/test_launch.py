@@ -28,11 +28,18 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
 def test_ranks_die_with_a_parent_killed_by_sigterm(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "from odc_plugin.launch import run_ranks\n"
-        "from tests.launch.test_launch import write_pid_and_sleep\n"
-        f"run_ranks(write_pid_and_sleep, 2, {str(tmp_path)!r})\n")], cwd=os.path.dirname(os.path.dirname(
-            os.path.dirname(os.path.abspath(__file__)))))
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "from odc_plugin.launch import run_ranks\n"
+                "from tests.launch.test_launch import write_pid_and_sleep\n"
+                f"run_ranks(write_pid_and_sleep, 2, {str(tmp_path)!r})\n"
+            ),
+        ],
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("*.pid"))) < 2:

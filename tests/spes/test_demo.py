@@ -13,8 +13,16 @@ from odc_plugin.spes.sync import allreduce_bytes
 
 
 def test_tiny_run_reports_every_mode(tmp_path, capsys):
-    cfg = SPESDemoConfig(nodes=2, steps=4, sync_every=2, model_size="test", batch_size=2, seq_len=32,
-                         heldout_sequences=8, out_dir=str(tmp_path))
+    cfg = SPESDemoConfig(
+        nodes=2,
+        steps=4,
+        sync_every=2,
+        model_size="test",
+        batch_size=2,
+        seq_len=32,
+        heldout_sequences=8,
+        out_dir=str(tmp_path),
+    )
     returned = run_demo(cfg)
     with open(tmp_path / "odc_spes.json") as f:
         report = json.load(f)
@@ -47,11 +55,14 @@ def test_tiny_run_reports_every_mode(tmp_path, capsys):
     assert "SPES - centralized final held-out loss" in out and "bytes per sync per node" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--nodes", "3"], "--nodes 3: num_experts (8) must be divisible by the number of nodes (3)"),
-    (["--nodes", "0"], "--nodes must be >= 1, got 0"),
-    (["--steps", "25"], "--steps must be a positive multiple of the sync period 10, got 25"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--nodes", "3"], "--nodes 3: num_experts (8) must be divisible by the number of nodes (3)"),
+        (["--nodes", "0"], "--nodes must be >= 1, got 0"),
+        (["--steps", "25"], "--steps must be a positive multiple of the sync period 10, got 25"),
+    ],
+)
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from odc_plugin.models import build_qwen2
-from odc_plugin.spes import (SPESConfig, moe_layers, prepare_experts, split_experts, state_bytes,
-                             trainable_parameters)
+from odc_plugin.spes import SPESConfig, moe_layers, prepare_experts, split_experts, state_bytes, trainable_parameters
 from odc_plugin.spes.models import build_olmoe, lm_loss
 
 TOKENS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))

@@ -24,7 +24,8 @@ class TwoDimExperts(nn.Module):
         angles = [0.0, 10.0, 50.0, 120.0]
         self.gate_up_proj = nn.ParameterList(
             nn.Parameter(torch.tensor([[math.cos(math.radians(a)), math.sin(math.radians(a))], [e + 1.0, -e]]))
-            for e, a in enumerate(angles))
+            for e, a in enumerate(angles)
+        )
         self.down_proj = nn.ParameterList(nn.Parameter(torch.tensor([[2.0 * e], [1.0 - e]])) for e in range(4))
 
 
@@ -49,8 +50,9 @@ def test_merge_on_a_model_matches_the_formula():
     with torch.no_grad():  # experts apart from their initialization, so that similarities differ
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
-    before = [[[p.detach().clone() for p in layer.expert_params(e)] for e in range(layer.num_experts)]
-              for layer in layers]
+    before = [
+        [[p.detach().clone() for p in layer.expert_params(e)] for e in range(layer.num_experts)] for layer in layers
+    ]
     alpha, topk = 0.3, 2
     merge_experts(layers, alpha, topk)
     for layer, experts in zip(layers, before):

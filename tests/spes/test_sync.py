@@ -61,8 +61,9 @@ def check_syncs(results, config: SPESConfig, nodes: int, ranks_per_node: int):
     per_sync = allreduce_bytes(shared_bytes, nodes) + (nodes - 1) * expert_bytes // nodes
     for i, sync in enumerate(heads[0]["syncs"]):
         step = sync["record"].step
-        expected = expected_after_sync([h["syncs"][i]["before"] for h in heads], merge_alpha(step, config),
-                                       config.merge_topk)
+        expected = expected_after_sync(
+            [h["syncs"][i]["before"] for h in heads], merge_alpha(step, config), config.merge_topk
+        )
         for h in heads:
             after = h["syncs"][i]["after"]
             for name, want in expected.items():
@@ -92,8 +93,9 @@ def check_frozen(results, nodes: int, ranks_per_node: int):
 
 
 def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
-    config = SPESConfig(sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2,
-                        sync_timeout_s=60)
+    config = SPESConfig(
+        sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2, sync_timeout_s=60
+    )
     results = run_ranks(workers.train_and_sync, 4, 1, "none", config, 4)
     assert [r["syncs"][i]["record"].merge_alpha for r in results[:1] for i in range(2)] == [0.0, 0.25]
     check_syncs(results, config, nodes=4, ranks_per_node=1)
@@ -101,8 +103,9 @@ def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
 
 
 def test_two_nodes_of_two_ranks_with_odc_or_fsdp2_inside_train_and_keep_the_invariants():
-    config = SPESConfig(sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2,
-                        sync_timeout_s=60)
+    config = SPESConfig(
+        sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2, sync_timeout_s=60
+    )
     per_rank = run_ranks(workers.train_and_sync_each, 4, 2, ("odc", "fsdp2"), config, 6)
     for inner in ("odc", "fsdp2"):
         results = [r[inner] for r in per_rank]
@@ -144,8 +147,9 @@ def test_with_h1_each_mode_is_its_single_process_math():
             for node in range(nodes):
                 got = results[node][mode][step]
                 for name in want:
-                    torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
-                                               msg=f"{mode}, step {step + 1}, node {node}: {name}")
+                    torch.testing.assert_close(
+                        got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{mode}, step {step + 1}, node {node}: {name}"
+                    )
 
 
 def test_a_node_dying_mid_sync_ends_every_node_with_a_clear_error():
@@ -156,5 +160,6 @@ def test_a_node_dying_mid_sync_ends_every_node_with_a_clear_error():
     assert time.monotonic() - start < 90
     assert "rank 2: exited with code 17" in message
     for node in (0, 1):
-        assert (f"SPESSyncError: node {node} (local rank 0): spes sync at step 1 failed in the expert exchange"
-                in message), message
+        assert (
+            f"SPESSyncError: node {node} (local rank 0): spes sync at step 1 failed in the expert exchange" in message
+        ), message

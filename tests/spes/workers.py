@@ -10,8 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from odc_plugin.comm import make_transport
 from odc_plugin.fsdp import apply_odc
-from odc_plugin.spes import (MODES, NodeSync, SPESConfig, node_layout, prepare_experts, state_bytes,
-                             trainable_parameters)
+from odc_plugin.spes import MODES, NodeSync, SPESConfig, node_layout, prepare_experts, state_bytes, trainable_parameters
 from odc_plugin.spes.experts import local_tensor
 from odc_plugin.spes.models import BYTE_VOCAB, build_olmoe, lm_loss, shard_olmoe
 
@@ -40,8 +39,7 @@ def build(layout, config: SPESConfig, inner: str = "none", num_experts: int | No
 
 def full_state(model) -> dict[str, torch.Tensor]:
     """Every parameter whole (gathered inside the node when sharded)."""
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def train_and_sync(rank, world, ranks_per_node: int, inner: str, config: SPESConfig, steps: int):
@@ -53,8 +51,14 @@ def train_and_sync(rank, world, ranks_per_node: int, inner: str, config: SPESCon
     model, odc, sync = build(layout, config, inner)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    out = {"node": layout.node, "losses": [], "syncs": [], "frozen_grads": 0, "owned": sync.owned,
-           "trainable": sum(local_tensor(p).numel() for p in trainable_parameters(model))}
+    out = {
+        "node": layout.node,
+        "losses": [],
+        "syncs": [],
+        "frozen_grads": 0,
+        "owned": sync.owned,
+        "trainable": sum(local_tensor(p).numel() for p in trainable_parameters(model)),
+    }
     g = torch.Generator().manual_seed(rank)
     for step in range(1, steps + 1):
         with odc.minibatch() if odc else contextlib.nullcontext():
@@ -76,15 +80,15 @@ def train_and_sync(rank, world, ranks_per_node: int, inner: str, config: SPESCon
                 lm_loss(model, tokens(0, layout.node, layout.local_rank), aux=False)
             record = sync.maybe_sync(step)
             after = full_state(model)
-            out["syncs"].append({"record": record, **({"before": before, "after": after}
-                                                     if layout.local_rank == 0 else {})})
+            out["syncs"].append(
+                {"record": record, **({"before": before, "after": after} if layout.local_rank == 0 else {})}
+            )
     out["frozen_opt_state"] = sum(p in opt.state for p in frozen)
     out["opt_state_params"] = len(opt.state)
     return out
 
 
-def train_and_sync_each(rank, world, ranks_per_node: int, inners: tuple[str, ...], config: SPESConfig,
-                        steps: int):
+def train_and_sync_each(rank, world, ranks_per_node: int, inners: tuple[str, ...], config: SPESConfig, steps: int):
     """`train_and_sync` once per in-node sharding, in the same processes."""
     return {inner: train_and_sync(rank, world, ranks_per_node, inner, config, steps) for inner in inners}
 

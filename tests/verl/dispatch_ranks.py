@@ -24,8 +24,18 @@ def _record_steps(worker) -> list[tuple[int, bool]]:
     return steps
 
 
-def uneven_vs_even_update(rank, world_size, model_dir, seed, batch_size, mini_batch_size, max_tokens,
-                          odc_positions, odc_counts, even_positions):
+def uneven_vs_even_update(
+    rank,
+    world_size,
+    model_dir,
+    seed,
+    batch_size,
+    mini_batch_size,
+    max_tokens,
+    odc_positions,
+    odc_counts,
+    even_positions,
+):
     """One update_actor on the same global mini-batches, two ways.
 
     odc:   strategy odc, this rank's LB-Mini share (odc_positions[rank], counts per mini-batch as the dispatch

@@ -60,8 +60,14 @@ ATTN_IMPL = "sdpa"
 PAD_TOKEN_ID = 0
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args, plugin_modules: Sequence[str] = (),
-                 timeout_s: float = 600.0, pg_timeout_s: float = 300.0) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args,
+    plugin_modules: Sequence[str] = (),
+    timeout_s: float = 600.0,
+    pg_timeout_s: float = 300.0,
+) -> list[Any]:
     """``odc_plugin.launch.run_ranks`` with verl on CPU in every rank (``VERL_PLATFORM=cpu``, then
     ``plugin_modules`` imported, e.g. ``["odc_plugin.verl.plugin"]``) before ``fn``'s module loads."""
     setup = partial(_cpu_rank_setup, tuple(plugin_modules))

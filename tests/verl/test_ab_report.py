@@ -29,8 +29,10 @@ TOKENS = SEQS * (PROMPT + RESPONSE)
 
 def _batch() -> DataProto:
     return DataProto.from_dict(
-        tensors={"prompt_length": torch.full((SEQS,), float(PROMPT)),
-                 "response_length": torch.full((SEQS,), float(RESPONSE))},
+        tensors={
+            "prompt_length": torch.full((SEQS,), float(PROMPT)),
+            "response_length": torch.full((SEQS,), float(RESPONSE)),
+        },
         meta_info={"global_token_num": [PROMPT + RESPONSE] * SEQS},
     )
 
@@ -38,9 +40,13 @@ def _batch() -> DataProto:
 def _engine_metrics(role: str, wait: float, compute: float) -> dict:
     """What an odc engine returns for two mini-batches, reduced the way verl's trainer does."""
     per_mini_batch = {
-        "odc/compute_s_mean": [compute, compute], "odc/compute_s_max": [1.2 * compute, 1.1 * compute],
-        "odc/wait_s_mean": [wait, wait], "odc/wait_s_max": [2 * wait, 3 * wait],
-        "odc/compute_imbalance": [1.2, 1.1], "odc/micro_batches_min": [3, 2], "odc/micro_batches_max": [5, 6],
+        "odc/compute_s_mean": [compute, compute],
+        "odc/compute_s_max": [1.2 * compute, 1.1 * compute],
+        "odc/wait_s_mean": [wait, wait],
+        "odc/wait_s_max": [2 * wait, 3 * wait],
+        "odc/compute_imbalance": [1.2, 1.1],
+        "odc/micro_batches_min": [3, 2],
+        "odc/micro_batches_max": [5, 6],
         "pg_loss": [np.float32(0.1), np.float32(0.2)],
     }
     return reduce_metrics(rename_dict(per_mini_batch, f"{role}/"))
@@ -58,15 +64,25 @@ def write_run(path, step_s, update_actor_s, *, odc=None, val=True, update_critic
         tracking.log(data={"val-core/openai/gsm8k/acc/mean@1": 0.3}, step=0)
     batch = _batch()
     for i, (step, update) in enumerate(zip(step_s, update_actor_s), 1):
-        timing_raw = {"gen": 0.5 * step, "old_log_prob": 0.05 * step, "ref": 0.05 * step, "adv": 0.01,
-                      "update_actor": update, "update_weights": 0.2, "step": step}
+        timing_raw = {
+            "gen": 0.5 * step,
+            "old_log_prob": 0.05 * step,
+            "ref": 0.05 * step,
+            "adv": 0.01,
+            "update_actor": update,
+            "update_weights": 0.2,
+            "step": step,
+        }
         if update_critic_s is not None:
             timing_raw["update_critic"] = update_critic_s[i - 1]
         metrics = {"training/global_step": i, "training/epoch": 0}
         metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))
         metrics.update(compute_throughout_metrics(batch=batch, timing_raw=timing_raw, n_gpus=N_GPUS))
-        metrics.update(_engine_metrics("actor", **odc) if odc else
-                       reduce_metrics(rename_dict({"pg_loss": [np.float32(0.1)]}, "actor/")))
+        metrics.update(
+            _engine_metrics("actor", **odc)
+            if odc
+            else reduce_metrics(rename_dict({"pg_loss": [np.float32(0.1)]}, "actor/"))
+        )
         if i == len(step_s) and val:
             metrics["val-core/openai/gsm8k/acc/mean@1"] = 0.5
         tracking.log(data=metrics, step=i)
@@ -87,8 +103,14 @@ def test_files_are_verls_format(runs):
     assert len(lines) == 7
     record = json.loads(lines[1])
     assert record["step"] == 1
-    for key in ("timing_s/step", "timing_s/update_actor", "perf/total_num_tokens", "perf/throughput",
-                "actor/odc/wait_s_mean", "actor/odc/compute_s_mean"):
+    for key in (
+        "timing_s/step",
+        "timing_s/update_actor",
+        "perf/total_num_tokens",
+        "perf/throughput",
+        "actor/odc/wait_s_mean",
+        "actor/odc/compute_s_mean",
+    ):
         assert key in record["data"], key
 
 

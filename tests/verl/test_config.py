@@ -45,8 +45,15 @@ def base(tmp_path_factory):
     from transformers import Qwen2Config
 
     model_dir = tmp_path_factory.mktemp("model")
-    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=128, architectures=["Qwen2ForCausalLM"]).save_pretrained(model_dir)
+    Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=128,
+        architectures=["Qwen2ForCausalLM"],
+    ).save_pretrained(model_dir)
     return [
         "trainer.n_gpus_per_node=2",
         "data.train_batch_size=8",
@@ -103,11 +110,13 @@ def test_import_verl_alone_registers_odc(tmp_path):
         "print('plugin', 'odc_plugin.verl.plugin' in sys.modules)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, (
         "`import verl` did not register backend odc: is the `verl.plugins` entry point installed "
-        f"(pip install -e .)?\n{proc.stderr[-3000:]}")
+        f"(pip install -e .)?\n{proc.stderr[-3000:]}"
+    )
     lines = proc.stdout.splitlines()
     assert "language_model odc_plugin.verl.engine.ODCEngineWithLMHead" in lines
     assert "value_model odc_plugin.verl.engine.ODCEngineWithValueHead" in lines
@@ -136,13 +145,17 @@ def test_strategy_odc_alone_passes_validation(base):
 
 
 def test_model_engine_odc_sets_options_per_role(base):
-    cfg = compose_ppo(base + ODC + [
-        "actor_rollout_ref.actor.fsdp_config.odc_transport=shm",
-        "actor_rollout_ref.actor.fsdp_config.odc_cost_model=fit",
-        "actor_rollout_ref.actor.fsdp_config.odc_cost_fit_a=0.5",
-        "actor_rollout_ref.ref.fsdp_config.odc_barrier_timeout_s=30",
-        "critic.fsdp.odc_balancer=lb_micro",
-    ])
+    cfg = compose_ppo(
+        base
+        + ODC
+        + [
+            "actor_rollout_ref.actor.fsdp_config.odc_transport=shm",
+            "actor_rollout_ref.actor.fsdp_config.odc_cost_model=fit",
+            "actor_rollout_ref.actor.fsdp_config.odc_cost_fit_a=0.5",
+            "actor_rollout_ref.ref.fsdp_config.odc_barrier_timeout_s=30",
+            "critic.fsdp.odc_balancer=lb_micro",
+        ]
+    )
     validate(cfg)
     roles = role_configs(cfg)
     for name, role in roles.items():
@@ -158,8 +171,15 @@ def test_model_engine_odc_sets_options_per_role(base):
 
 
 def test_one_role_on_odc(base):
-    cfg = compose_ppo(base + [f"hydra.searchpath=[{SEARCHPATH}]", "actor_rollout_ref.actor.strategy=fsdp2",
-                              "critic=odc_critic", "critic.fsdp.odc_transport=shm"])
+    cfg = compose_ppo(
+        base
+        + [
+            f"hydra.searchpath=[{SEARCHPATH}]",
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "critic=odc_critic",
+            "critic.fsdp.odc_transport=shm",
+        ]
+    )
     validate(cfg)
     roles = role_configs(cfg)
     assert type(roles["critic"].engine) is ODCEngineConfig
@@ -180,8 +200,11 @@ def test_model_engine_odc_is_verl_dp_plus_odc_options(base):
     """The odc role configs add the ODC options to verl's dp role configs and change nothing else."""
     dp = compose_ppo(base + ["actor_rollout_ref.actor.strategy=odc", "critic.strategy=odc"])
     odc = compose_ppo(base + ODC)
-    for role, engine_key in (("actor_rollout_ref.actor", "fsdp_config"), ("actor_rollout_ref.ref", "fsdp_config"),
-                             ("critic", "fsdp")):
+    for role, engine_key in (
+        ("actor_rollout_ref.actor", "fsdp_config"),
+        ("actor_rollout_ref.ref", "fsdp_config"),
+        ("critic", "fsdp"),
+    ):
         want = OmegaConf.to_container(OmegaConf.select(dp, role))
         got = OmegaConf.to_container(OmegaConf.select(odc, role))
         engine = got[engine_key]
@@ -207,9 +230,14 @@ def test_engine_odc_option_in_a_role_config_of_your_own(base, tmp_path):
         "_target_: verl.workers.config.FSDPActorConfig\n"
         "strategy: odc\n"
     )
-    cfg = compose_ppo(base + [f"hydra.searchpath=[{SEARCHPATH},{tmp_path.as_uri()}]",
-                              "actor@actor_rollout_ref.actor=my_actor",
-                              "actor_rollout_ref.actor.fsdp_config.odc_transport=shm"])
+    cfg = compose_ppo(
+        base
+        + [
+            f"hydra.searchpath=[{SEARCHPATH},{tmp_path.as_uri()}]",
+            "actor@actor_rollout_ref.actor=my_actor",
+            "actor_rollout_ref.actor.fsdp_config.odc_transport=shm",
+        ]
+    )
     validate(cfg)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert type(actor.engine) is ODCEngineConfig
@@ -217,21 +245,25 @@ def test_engine_odc_option_in_a_role_config_of_your_own(base, tmp_path):
     # everything else is verl's engine/fsdp.yaml
     stock = OmegaConf.to_container(compose_ppo(base).actor_rollout_ref.actor.fsdp_config, resolve=True)
     mine = OmegaConf.to_container(cfg.actor_rollout_ref.actor.fsdp_config, resolve=True)
-    assert {k: v for k, v in mine.items() if k in stock and k not in ("_target_", "strategy")} == \
-        {k: v for k, v in stock.items() if k not in ("_target_", "strategy")}
+    assert {k: v for k, v in mine.items() if k in stock and k not in ("_target_", "strategy")} == {
+        k: v for k, v in stock.items() if k not in ("_target_", "strategy")
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # wrong ODC options fail with one line naming the key
 
 
-@pytest.mark.parametrize("override, key", [
-    ("actor_rollout_ref.actor.fsdp_config.odc_transport=tcp", "odc_transport"),
-    ("actor_rollout_ref.actor.fsdp_config.odc_balancer=x", "odc_balancer"),
-    ("actor_rollout_ref.actor.fsdp_config.odc_barrier_timeout_s=0", "odc_barrier_timeout_s"),
-    ("+actor_rollout_ref.actor.fsdp_config.odc_foo=1", "odc_foo"),
-    ("critic.fsdp.odc_cost_model=bytes", "odc_cost_model"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("actor_rollout_ref.actor.fsdp_config.odc_transport=tcp", "odc_transport"),
+        ("actor_rollout_ref.actor.fsdp_config.odc_balancer=x", "odc_balancer"),
+        ("actor_rollout_ref.actor.fsdp_config.odc_barrier_timeout_s=0", "odc_barrier_timeout_s"),
+        ("+actor_rollout_ref.actor.fsdp_config.odc_foo=1", "odc_foo"),
+        ("critic.fsdp.odc_cost_model=bytes", "odc_cost_model"),
+    ],
+)
 def test_wrong_option_fails_validation_naming_the_key(base, override, key):
     cfg = compose_ppo(base + ODC + [override])
     with pytest.raises(Exception) as info:
@@ -268,8 +300,9 @@ def test_unknown_option_without_plus_fails_at_compose_naming_the_key(base):
 
 def test_fsdp2_is_stock_verl(base):
     # the ODC search path may stay: without model_engine=odc nothing of ours is used
-    cfg = compose_ppo(base + [f"hydra.searchpath=[{SEARCHPATH}]", "actor_rollout_ref.actor.strategy=fsdp2",
-                              "critic.strategy=fsdp2"])
+    cfg = compose_ppo(
+        base + [f"hydra.searchpath=[{SEARCHPATH}]", "actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp2"]
+    )
     validate(cfg)
     for name, role in role_configs(cfg).items():
         assert type(role.engine) is FSDPEngineConfig, name
@@ -284,13 +317,21 @@ def test_fsdp2_is_stock_verl(base):
 
 def test_configs_ship_in_the_package():
     """`hydra.searchpath=[pkg://odc_plugin.configs]` needs `configs/` installed as `odc_plugin.configs`."""
-    assert PACKAGED, ("odc_plugin.configs is not importable: map configs/ to odc_plugin.configs in "
-                      "pyproject.toml ([tool.setuptools] package-dir / packages / package-data) and reinstall")
+    assert PACKAGED, (
+        "odc_plugin.configs is not importable: map configs/ to odc_plugin.configs in "
+        "pyproject.toml ([tool.setuptools] package-dir / packages / package-data) and reinstall"
+    )
     from importlib.resources import files
 
     root = files("odc_plugin.configs")
-    for name in ("engine/odc.yaml", "model_engine/odc.yaml", "actor/odc_actor.yaml", "ref/odc_ref.yaml",
-                 "critic/odc_critic.yaml", "odc_options/engine.yaml"):
+    for name in (
+        "engine/odc.yaml",
+        "model_engine/odc.yaml",
+        "actor/odc_actor.yaml",
+        "ref/odc_ref.yaml",
+        "critic/odc_critic.yaml",
+        "odc_options/engine.yaml",
+    ):
         assert root.joinpath(name).is_file(), name
 
 

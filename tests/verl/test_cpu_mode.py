@@ -43,10 +43,14 @@ CPU_LINE = "odc_plugin: VERL_PLATFORM=cpu: verl runs on CPU"
 
 
 def run(code: str, cwd, **env) -> tuple[dict, str]:
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env={**clean, **env}, capture_output=True,
-                          text=True, timeout=300)
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env={**clean, **env}, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
@@ -80,14 +84,16 @@ def test_a_platform_from_a_later_plugin_is_the_one_verl_uses(tmp_path):
     dist_info.mkdir(parents=True)
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: later-accel-plugin\nVersion: 0.1\n")
     (dist_info / "entry_points.txt").write_text("[verl.plugins]\nlater_accel = later_accel\n")
-    (plugin_dir / "later_accel.py").write_text(textwrap.dedent("""
+    (plugin_dir / "later_accel.py").write_text(
+        textwrap.dedent("""
         from verl.plugin.platform import PlatformRegistry
         from verl.plugin.platform.platform_cuda import PlatformCUDA
 
         @PlatformRegistry.register(platform="later_accel")
         class PlatformLaterAccel(PlatformCUDA):
             pass
-    """))
+    """)
+    )
     # appended to sys.path: discovered after the installed packages, this project included
     code = f"import sys; sys.path.append({str(plugin_dir)!r})\n" + REPORT
     report, _ = run(code, tmp_path, VERL_PLATFORM="later_accel")

@@ -33,12 +33,15 @@ ValueError("odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'
 """
 
 
-@pytest.mark.parametrize("log,expected", [
-    (ENGINE_START, "ValueError: fsdp_size=3 must divide the world size 4 and be at least 2 with strategy odc"),
-    (CHAINED, "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."),
-    (HYDRA, "ValueError(\"odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'\")"),
-    ("step 1 done\nkilled\n", "killed"),
-])
+@pytest.mark.parametrize(
+    "log,expected",
+    [
+        (ENGINE_START, "ValueError: fsdp_size=3 must divide the world size 4 and be at least 2 with strategy odc"),
+        (CHAINED, "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."),
+        (HYDRA, "ValueError(\"odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'\")"),
+        ("step 1 done\nkilled\n", "killed"),
+    ],
+)
 def test_the_summary_is_the_exception_that_ended_the_run_not_a_warning_after_it(tmp_path, log, expected):
     path = tmp_path / "run.log"
     path.write_text(log)

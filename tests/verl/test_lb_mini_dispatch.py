@@ -40,8 +40,10 @@ from tests.verl import harness as H
 from tests.verl.dispatch_ranks import uneven_vs_even_update
 
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
-needs_tq = pytest.mark.skipif(not HAS_TQ, reason="verl's v1 trainer and KVBatchMeta need the TransferQueue package "
-                                                 "(pip install TransferQueue==0.1.10)")
+needs_tq = pytest.mark.skipif(
+    not HAS_TQ,
+    reason="verl's v1 trainer and KVBatchMeta need the TransferQueue package (pip install TransferQueue==0.1.10)",
+)
 
 
 def _check_plan(plan: MiniBatchPlan, n: int, mini: int, dp: int):
@@ -117,8 +119,14 @@ def test_fill_empty_ranks_takes_the_cheapest_sample_of_the_fullest_rank():
 
 def test_plan_static_micro_batch_size_and_flops_cost():
     lens = [10, 200, 30, 40, 50, 60]
-    model = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 128, "vocab_size": 256}
+    model = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+    }
     from odc_plugin.balance import get_cost_model
 
     plan = plan_mini_batches(lens, 6, 2, None, get_cost_model("flops", model=model), micro_batch_size=2)
@@ -172,12 +180,19 @@ def test_settings_only_for_odc_with_lb_mini():
     assert lb_mini_settings(_engine_config("odc", odc_balancer="lb_micro"), **kw) is None
     # a plain FSDP engine config carrying strategy odc gets ODC's defaults: lb_mini with the flops cost
     loaded = []
-    model = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
-             "vocab_size": 256}
+    model = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+    }
     s = lb_mini_settings(_engine_config("odc"), **kw, model_config=lambda: loaded.append(1) or model)
     assert s.cost.name == "flops" and loaded == [1] and (s.max_token_len, s.micro_batch_size) == (64, None)
-    s = lb_mini_settings(_engine_config("odc", odc_cost_model="fit", odc_cost_fit_a=2.0, odc_cost_fit_b=3.0),
-                         **{**kw, "use_dynamic_bsz": False, "micro_batch_size": 4})
+    s = lb_mini_settings(
+        _engine_config("odc", odc_cost_model="fit", odc_cost_fit_a=2.0, odc_cost_fit_b=3.0),
+        **{**kw, "use_dynamic_bsz": False, "micro_batch_size": 4},
+    )
     assert s.cost(10) == 2.0 * 100 + 3.0 * 10 and (s.max_token_len, s.micro_batch_size) == (None, 4)
 
 
@@ -190,8 +205,13 @@ def _kv_batch(lens, **extra):
     from transfer_queue import KVBatchMeta
 
     keys = [f"uid{i}_0_0" for i in range(len(lens))]
-    return KVBatchMeta(keys=keys, tags=[{"seq_len": s, "i": i} for i, s in enumerate(lens)], partition_id="train",
-                       fields=["input_ids"], extra_info=dict(extra))
+    return KVBatchMeta(
+        keys=keys,
+        tags=[{"seq_len": s, "i": i} for i, s in enumerate(lens)],
+        partition_id="train",
+        fields=["input_ids"],
+        extra_info=dict(extra),
+    )
 
 
 @needs_tq
@@ -245,15 +265,23 @@ class _WorkerGroup:
 
 
 def _trainer(tmp_path, *overrides):
-    import odc_patches
     import verl
     from hydra import compose, initialize_config_dir
     from transformers import Qwen2Config
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
+    import odc_patches
+
     odc_patches.apply_all()
-    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=128, architectures=["Qwen2ForCausalLM"]).save_pretrained(tmp_path)
+    Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=128,
+        architectures=["Qwen2ForCausalLM"],
+    ).save_pretrained(tmp_path)
     base = [
         "trainer.n_gpus_per_node=2",
         "data.train_batch_size=4",
@@ -328,7 +356,7 @@ def test_trainer_plans_lb_mini_updates_for_odc(tmp_path):
     trainer._update_critic(balanced, metrics)
     trainer._update_actor(balanced, metrics)
     for wg, role in ((trainer.critic_wg, "critic"), (trainer.actor_rollout_wg, "actor")):
-        (extra, pieces), = wg.sent
+        ((extra, pieces),) = wg.sent
         assert extra[PLAN_KEY] == plans[role] and extra["mini_batch_size"] == plans[role]["mini_batch_size"]
         assert [p.extra_info[COUNTS_KEY] for p in pieces] == plans[role]["counts"]
         assert [p.keys for p in pieces] == plans[role]["keys"]
@@ -336,10 +364,13 @@ def test_trainer_plans_lb_mini_updates_for_odc(tmp_path):
     assert metrics["perf/mfu/actor"] == 0.5 and metrics["perf/mfu/critic"] == 0.5
 
 
-AUTO = ["actor_rollout_ref.actor.strategy=odc",
-        "actor_rollout_ref.actor.fsdp_config._target_=odc_plugin.verl.config.ODCEngineConfig",
-        "actor_rollout_ref.actor.fsdp_config.strategy=odc", "+actor_rollout_ref.actor.fsdp_config.odc_cost_model=auto",
-        "critic.strategy=fsdp2"]
+AUTO = [
+    "actor_rollout_ref.actor.strategy=odc",
+    "actor_rollout_ref.actor.fsdp_config._target_=odc_plugin.verl.config.ODCEngineConfig",
+    "actor_rollout_ref.actor.fsdp_config.strategy=odc",
+    "+actor_rollout_ref.actor.fsdp_config.odc_cost_model=auto",
+    "critic.strategy=fsdp2",
+]
 
 
 @needs_tq
@@ -352,9 +383,15 @@ def test_auto_cost_plans_as_flops_until_the_engine_reports_a_fit_then_follows_it
     assert first == flops._odc_lb_mini_plans["actor"][0] and not predicted  # no timings yet: the flops plan
 
     # the actor's engine reports a fit in which rank 1 runs at half speed
-    trainer.actor_rollout_wg.reports = {"odc/fit_c": [0.01], "odc/fit_a": [0.0], "odc/fit_b": [1e-3],
-                                        "odc/fit_timings": [40.0], "odc/rank_speed_0": [1.0],
-                                        "odc/rank_speed_1": [0.5], "odc/compute_s_max": [0.1]}
+    trainer.actor_rollout_wg.reports = {
+        "odc/fit_c": [0.01],
+        "odc/fit_a": [0.0],
+        "odc/fit_b": [1e-3],
+        "odc/fit_timings": [40.0],
+        "odc/rank_speed_0": [1.0],
+        "odc/rank_speed_1": [0.5],
+        "odc/compute_s_max": [0.1],
+    }
     metrics = {}
     trainer._update_actor(balanced, metrics)
     assert (metrics["odc_balance/fit_c"], metrics["odc_balance/fit_b"]) == (0.01, 1e-3)
@@ -395,7 +432,7 @@ def test_trainer_unchanged_without_lb_mini(tmp_path, overrides):
     assert balanced.keys == stock.keys and metrics == stock_metrics
     assert trainer._odc_lb_mini_plans == {}
     trainer._update_actor(balanced, metrics)
-    (extra, pieces), = trainer.actor_rollout_wg.sent
+    ((extra, pieces),) = trainer.actor_rollout_wg.sent
     assert PLAN_KEY not in extra and pieces is None
 
 
@@ -415,11 +452,12 @@ def ray_local():
 
 @needs_tq
 def test_dispatch_sends_each_rank_its_share(ray_local):
-    import odc_patches
     from tensordict import TensorDict
     from verl.single_controller.base.decorator import MAGIC_ATTR
     from verl.single_controller.base.worker_group import WorkerGroup
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    import odc_patches
 
     odc_patches.apply_all()
     # 4 workers, data-parallel ranks [0, 0, 1, 1] (e.g. 2-way model parallel): workers 0,1 get rank 0's share
@@ -461,8 +499,19 @@ def two_ranks(tmp_path_factory):
     half = MINI // 2
     even = [[p for i in range(0, BATCH, MINI) for p in range(i + r * half, i + (r + 1) * half)] for r in range(2)]
     model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
-    results = H.run_on_ranks(uneven_vs_even_update, 2, model_dir, SEED, BATCH, MINI, MAX_TOKENS, odc_positions,
-                             [list(c) for c in plan.counts], even, plugin_modules=["odc_plugin.verl.plugin"])
+    results = H.run_on_ranks(
+        uneven_vs_even_update,
+        2,
+        model_dir,
+        SEED,
+        BATCH,
+        MINI,
+        MAX_TOKENS,
+        odc_positions,
+        [list(c) for c in plan.counts],
+        even,
+        plugin_modules=["odc_plugin.verl.plugin"],
+    )
     return plan, results
 
 

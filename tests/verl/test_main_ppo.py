@@ -26,13 +26,16 @@ RANKS = 2
 RUN_TIMEOUT_S = 900
 ODC_OPTIONS = ["hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc"]
 KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
-PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-4",
-       # every step saved, with HF weights to compare across strategies
-       "trainer.save_freq=1",
-       "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-       "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]",
-       "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-       "critic.checkpoint.load_contents=[model,optimizer,extra]"]
+PPO = [
+    "algorithm.adv_estimator=gae",
+    "critic.optim.lr=1e-4",
+    # every step saved, with HF weights to compare across strategies
+    "trainer.save_freq=1",
+    "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]",
+    "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    "critic.checkpoint.load_contents=[model,optimizer,extra]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +63,21 @@ class Trained:
         assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
 
 
-def train(out, assets, name: str, strategy: str, steps: int, overrides=(), timeout_s=RUN_TIMEOUT_S,
-          ranks: int = RANKS) -> Trained:
+def train(
+    out, assets, name: str, strategy: str, steps: int, overrides=(), timeout_s=RUN_TIMEOUT_S, ranks: int = RANKS
+) -> Trained:
     run_dir = out / name
     run_dir.mkdir(exist_ok=True)
-    args = grpo.run_args(grpo.settings(assets, ranks, steps, str(run_dir)), strategy, list(overrides),
-                         str(run_dir / f"{strategy}.jsonl"))
+    args = grpo.run_args(
+        grpo.settings(assets, ranks, steps, str(run_dir)), strategy, list(overrides), str(run_dir / f"{strategy}.jsonl")
+    )
     result = grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None)
     # a record of every e2e run's cost, next to the runs
     with open(out / "runs.txt", "a") as fp:
-        fp.write(f"{name}/{strategy}: {result.steps} steps in {result.wall_s:.0f} s, "
-                 f"peak memory {result.peak_pss_gib:.2f} GiB\n")
+        fp.write(
+            f"{name}/{strategy}: {result.steps} steps in {result.wall_s:.0f} s, "
+            f"peak memory {result.peak_pss_gib:.2f} GiB\n"
+        )
     return Trained(result)
 
 
@@ -91,10 +98,16 @@ def close(a: float, b: float, rtol: float) -> bool:
 def grpo_cli(out, assets):
     """`odc-grpo-cpu --steps 3` with the KL loss on (so the reference model is built as each strategy's engine)."""
     run_dir = out / "grpo"
-    proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", "--steps", "3", "--out", str(run_dir),
-                           *KL_LOSS], capture_output=True, text=True, timeout=2 * RUN_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "odc_plugin.verl.cpu.grpo", "--steps", "3", "--out", str(run_dir), *KL_LOSS],
+        capture_output=True,
+        text=True,
+        timeout=2 * RUN_TIMEOUT_S,
+    )
     with open(out / "runs.txt", "a") as fp:
-        fp.writelines(f"grpo cli, {line}\n" for line in proc.stdout.splitlines() if line.startswith("run ") and " in " in line)
+        fp.writelines(
+            f"grpo cli, {line}\n" for line in proc.stdout.splitlines() if line.startswith("run ") and " in " in line
+        )
     runs = {s: read_metrics(str(run_dir / f"{s}.jsonl")) for s in grpo.STRATEGIES if (run_dir / f"{s}.jsonl").exists()}
     logs = {s: (run_dir / f"{s}.log").read_text(errors="replace") for s in runs}
     return proc, runs, logs
@@ -121,20 +134,37 @@ def test_odc_run_logs_odc_metrics_and_uneven_shares(grpo_cli):
     _, runs, _ = grpo_cli
     odc = runs["odc"]
     for metrics in odc.values():
-        for key in ("actor/odc/compute_s_mean", "actor/odc/wait_s_max", "actor/odc/compute_imbalance",
-                    "odc_balance/efficiency", "odc_balance/samples_min", "odc_balance/samples_max"):
+        for key in (
+            "actor/odc/compute_s_mean",
+            "actor/odc/wait_s_max",
+            "actor/odc/compute_imbalance",
+            "odc_balance/efficiency",
+            "odc_balance/samples_min",
+            "odc_balance/samples_max",
+        ):
             assert key in metrics, key
     assert not any(k.startswith(("actor/odc/", "odc_balance/")) for m in runs["fsdp2"].values() for k in m)
     # LB-Mini balanced cost, not counts: in some step the two ranks trained different numbers of samples
     # (or of micro-batches)
-    uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] != m["odc_balance/samples_max"]
-              or m["actor/odc/micro_batches_min"] != m["actor/odc/micro_batches_max"]]
+    uneven = [
+        s
+        for s, m in odc.items()
+        if m["odc_balance/samples_min"] != m["odc_balance/samples_max"]
+        or m["actor/odc/micro_batches_min"] != m["actor/odc/micro_batches_max"]
+    ]
     assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
     # the auto cost (the default): a fit after every update, its prediction checked from the second step
     # on, where the plans used it; the forward-only passes planned too
     for step, metrics in odc.items():
-        for key in ("fit_c", "fit_a", "fit_b", "rank_speed_min", "rank_speed_max", "old_log_prob/efficiency",
-                    "ref_log_prob/efficiency"):
+        for key in (
+            "fit_c",
+            "fit_a",
+            "fit_b",
+            "rank_speed_min",
+            "rank_speed_max",
+            "old_log_prob/efficiency",
+            "ref_log_prob/efficiency",
+        ):
             assert f"odc_balance/{key}" in metrics, (step, key)
         assert ("odc_balance/prediction_error" in metrics) == (step > 1), step
         assert 0.5 < metrics["odc_balance/rank_speed_min"] <= metrics["odc_balance/rank_speed_max"] < 2
@@ -151,8 +181,10 @@ def test_step_one_equals_fsdp2(grpo_cli):
     fsdp2, odc = runs["fsdp2"][1], runs["odc"][1]
     for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean"):  # the same rollouts
         assert fsdp2[key] == odc[key], key
-    assert close(fsdp2["actor/grad_norm"], odc["actor/grad_norm"], 1e-5), (fsdp2["actor/grad_norm"],
-                                                                          odc["actor/grad_norm"])
+    assert close(fsdp2["actor/grad_norm"], odc["actor/grad_norm"], 1e-5), (
+        fsdp2["actor/grad_norm"],
+        odc["actor/grad_norm"],
+    )
     assert abs(fsdp2["actor/pg_loss"] - odc["actor/pg_loss"]) <= 1e-5 * max(1.0, abs(fsdp2["actor/pg_loss"]))
     assert fsdp2["actor/grad_norm"] > 0  # rewards vary within groups: there is something to learn
 
@@ -166,8 +198,10 @@ def test_kl_loss_runs_with_the_reference_model_as_an_odc_engine(grpo_cli):
     assert "odc: ODCEngine" not in logs["fsdp2"]
 
 
-@pytest.mark.parametrize("spec,message", [("2:1.5", "--slow-ranks: rank 2 is out of range for 2 ranks"),
-                                          ("1", "--slow-ranks: '1' is not RANK:FACTOR")])
+@pytest.mark.parametrize(
+    "spec,message",
+    [("2:1.5", "--slow-ranks: rank 2 is out of range for 2 ranks"), ("1", "--slow-ranks: '1' is not RANK:FACTOR")],
+)
 def test_cli_refuses_a_bad_slow_rank(tmp_path, capsys, spec, message):
     with pytest.raises(SystemExit):
         grpo.main(["--out", str(tmp_path), "--slow-ranks", spec])
@@ -203,10 +237,22 @@ def ppo(out, assets):
     with, so it sees the same rollouts."""
     fsdp2 = train(out, assets, "ppo-fsdp2", "fsdp2", 3, PPO)
     fsdp2.assert_ok(3)
-    odc = train(out, assets, "ppo-odc", "odc", 3,
-                [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={_checkpoint(fsdp2, 1)}"])
-    back = train(out, assets, "ppo-fsdp2-again", "fsdp2", 3,
-                 [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={_checkpoint(odc, 2)}"])
+    odc = train(
+        out,
+        assets,
+        "ppo-odc",
+        "odc",
+        3,
+        [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={_checkpoint(fsdp2, 1)}"],
+    )
+    back = train(
+        out,
+        assets,
+        "ppo-fsdp2-again",
+        "fsdp2",
+        3,
+        [*PPO, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={_checkpoint(odc, 2)}"],
+    )
     return {"fsdp2": fsdp2, "odc": odc, "fsdp2 again": back}
 
 
@@ -261,8 +307,12 @@ def test_resume_a_checkpoint_under_the_other_strategy(ppo, saved_by, resumed_by)
 # The models RL users train: a mixture of experts, LoRA adapters synced unmerged
 # ---------------------------------------------------------------------------------------------
 
-LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-        "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.model.lora.merge=False"]
+LORA = [
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.model.target_modules=all-linear",
+    "actor_rollout_ref.model.lora.merge=False",
+]
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +327,10 @@ def _first_step_agrees(runs: dict[str, Trained]) -> None:
     for key in ("critic/score/mean", "response_length/mean"):  # the same rollouts
         assert fsdp2[key] == odc[key], key
     # float32 rounding of differently split sums, as in test_step_one_equals_fsdp2
-    assert close(fsdp2["actor/grad_norm"], odc["actor/grad_norm"], 1e-5), (fsdp2["actor/grad_norm"],
-                                                                          odc["actor/grad_norm"])
+    assert close(fsdp2["actor/grad_norm"], odc["actor/grad_norm"], 1e-5), (
+        fsdp2["actor/grad_norm"],
+        odc["actor/grad_norm"],
+    )
     assert fsdp2["actor/grad_norm"] > 0
 
 
@@ -310,8 +362,11 @@ def test_ppo_with_an_moe_critic_under_odc(out, moe_assets):
     assert metrics["critic/grad_norm"] > 0 and "critic/odc/moe/routing_divergence" in metrics
 
 
-ULYSSES = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-           "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", *KL_LOSS]
+ULYSSES = [
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+    *KL_LOSS,
+]
 
 
 def test_grpo_ulysses_4_ranks_first_step_equals_fsdp2(out, assets):
@@ -327,16 +382,30 @@ def test_grpo_ulysses_4_ranks_first_step_equals_fsdp2(out, assets):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("setting,error", [
-    # refused by the config class, in the driver
-    ("odc_transport=tcp", "ValueError(\"odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'\")"),
-    # refused by the engine as it starts, in a training worker, with other processes' warnings after it
-    ("fsdp_size=1", "ValueError: fsdp_size=1 must divide the world size 2 and be at least 2 with strategy odc "
-                    "(ranks per node for HSDP; -1 shards over all ranks)"),
-], ids=["config", "engine-start"])
+@pytest.mark.parametrize(
+    "setting,error",
+    [
+        # refused by the config class, in the driver
+        ("odc_transport=tcp", "ValueError(\"odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'\")"),
+        # refused by the engine as it starts, in a training worker, with other processes' warnings after it
+        (
+            "fsdp_size=1",
+            "ValueError: fsdp_size=1 must divide the world size 2 and be at least 2 with strategy odc "
+            "(ranks per node for HSDP; -1 shards over all ranks)",
+        ),
+    ],
+    ids=["config", "engine-start"],
+)
 def test_invalid_odc_option_fails_at_start_up_summarized_by_its_exception(out, assets, setting, error):
-    run = train(out, assets, f"bad-option-{setting.split('=')[0]}", "odc", 1,
-                [*ODC_OPTIONS, f"actor_rollout_ref.actor.fsdp_config.{setting}"], timeout_s=300)
+    run = train(
+        out,
+        assets,
+        f"bad-option-{setting.split('=')[0]}",
+        "odc",
+        1,
+        [*ODC_OPTIONS, f"actor_rollout_ref.actor.fsdp_config.{setting}"],
+        timeout_s=300,
+    )
     assert run.result.returncode != 0
     assert grpo.last_error(run.result.log_file).endswith(error)
     assert run.result.steps == 0 and not run.metrics

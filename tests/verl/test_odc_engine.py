@@ -53,8 +53,7 @@ def _body(rank, world_size, model_dir, ckpt_dir):
         actor.engine.save_checkpoint(os.path.join(ckpt_dir, strategy), global_step=1)
         del actor
 
-        ref = H.build_engine("language_model", strategy, model_dir, forward_only=True,
-                             max_token_len_per_gpu=MAX_TOKENS)
+        ref = H.build_engine("language_model", strategy, model_dir, forward_only=True, max_token_len_per_gpu=MAX_TOKENS)
         res["ref_log_probs"] = H.compute_log_probs(ref, even)
         if strategy == "odc":
             res["uneven_ref_log_probs"] = H.compute_log_probs(ref, uneven)
@@ -121,9 +120,14 @@ def test_log_probs_ref_log_probs_and_values_equal_fsdp2(runs):
 
 def test_forward_only_passes_on_uneven_shares_equal_fsdp2_sample_by_sample(runs):
     for key in ("log_probs", "ref_log_probs", "values"):
-        expected = {i: t for rank, r in enumerate(runs)
-                    for i, t in zip(H.shard_for_rank(range(BATCH), rank, WORLD), r["fsdp2"][key], strict=True)}
-        got = {i: t for rank, r in enumerate(runs) for i, t in zip(UNEVEN[rank], r["odc"][f"uneven_{key}"], strict=True)}
+        expected = {
+            i: t
+            for rank, r in enumerate(runs)
+            for i, t in zip(H.shard_for_rank(range(BATCH), rank, WORLD), r["fsdp2"][key], strict=True)
+        }
+        got = {
+            i: t for rank, r in enumerate(runs) for i, t in zip(UNEVEN[rank], r["odc"][f"uneven_{key}"], strict=True)
+        }
         assert sorted(got) == sorted(expected) == list(range(BATCH))
         # a log-prob sequence's last entry predicts whatever the packing put next (H.compute_log_probs)
         real = slice(None, -1) if key.endswith("log_probs") else slice(None)

@@ -37,8 +37,12 @@ def _body(rank, world_size, model_dir):
             H.actor_update(actor, even)
         else:
             H.train_step(actor, uneven)
-        out[strategy, split] = {"mesh": tuple(mesh.shape), "micro_batches": len(calls), "before": before,
-                                "after": H.full_state_dict(actor)}
+        out[strategy, split] = {
+            "mesh": tuple(mesh.shape),
+            "micro_batches": len(calls),
+            "before": before,
+            "after": H.full_state_dict(actor),
+        }
         del actor
     try:
         H.build_engine("language_model", "odc", model_dir, engine_kwargs={"fsdp_size": 3}, **SGD)

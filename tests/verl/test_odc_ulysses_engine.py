@@ -38,8 +38,14 @@ def _engine(strategy: str, model_dir: str, timeout_s: float = 600.0, sp: int = S
     if strategy == "odc":
         kwargs["odc_barrier_timeout_s"] = timeout_s
         cls = ODCEngineConfig
-    return H.build_engine("language_model", strategy, model_dir, engine_kwargs=kwargs, engine_config_cls=cls,
-                          max_token_len_per_gpu=MAX_TOKENS)
+    return H.build_engine(
+        "language_model",
+        strategy,
+        model_dir,
+        engine_kwargs=kwargs,
+        engine_config_cls=cls,
+        max_token_len_per_gpu=MAX_TOKENS,
+    )
 
 
 def _record_inside_minibatches(odc) -> list:
@@ -65,8 +71,11 @@ def _record_inside_minibatches(odc) -> list:
 def _train(rank, world_size, model_dir):
     out = {}
     # fsdp2 without sequence parallelism (4 ranks of 3 samples) is the reference the Ulysses runs must meet
-    for name, strategy, sp, split in (("fsdp2", "fsdp2", SP, EVEN), ("odc", "odc", SP, UNEVEN),
-                                      ("fsdp2 sp=1", "fsdp2", 1, [[i, i + 1, i + 2] for i in range(0, 12, 3)])):
+    for name, strategy, sp, split in (
+        ("fsdp2", "fsdp2", SP, EVEN),
+        ("odc", "odc", SP, UNEVEN),
+        ("fsdp2 sp=1", "fsdp2", 1, [[i, i + 1, i + 2] for i in range(0, 12, 3)]),
+    ):
         actor = _engine(strategy, model_dir, sp=sp)
         before = H.full_state_dict(actor)
         calls = H.count_micro_batches(actor)
@@ -74,8 +83,12 @@ def _train(rank, world_size, model_dir):
         batch = H.make_grpo_batch(SEED, BATCH, indices=split[rank // sp])  # verl's (dp, sp) mesh
         for _ in range(STEPS):
             H.train_step(actor, batch)
-        out[name] = {"before": before, "after": H.full_state_dict(actor), "micro_batches": len(calls),
-                         "collectives": [c for minibatch in inside for c in minibatch]}
+        out[name] = {
+            "before": before,
+            "after": H.full_state_dict(actor),
+            "micro_batches": len(calls),
+            "collectives": [c for minibatch in inside for c in minibatch],
+        }
         del actor
     return out
 
@@ -114,8 +127,10 @@ def test_ulysses_no_collective_crosses_groups_inside_a_minibatch(runs):
         calls = r["odc"]["collectives"]
         assert calls, "verl's Ulysses all-to-alls ran inside the mini-batch"
         assert all(ranks == group for _, ranks in calls), sorted(set(calls))
-        print(f"rank {rank}: {len(calls)} collectives inside its mini-batches, kinds {sorted({n for n, _ in calls})}, "
-              f"all in group {group}")
+        print(
+            f"rank {rank}: {len(calls)} collectives inside its mini-batches, kinds {sorted({n for n, _ in calls})}, "
+            f"all in group {group}"
+        )
 
 
 def _mismatched_group(rank, world_size, model_dir):
@@ -133,11 +148,13 @@ def test_ulysses_group_whose_ranks_got_different_samples_fails_clearly(model_dir
     start = time.monotonic()
     results = H.run_on_ranks(_mismatched_group, WORLD, model_dir, plugin_modules=PLUGIN)
     for rank in (0, 1):
-        assert results[rank].startswith("ValueError: the ranks [0, 1] of one sequence-parallel group must run the "
-                                        "same micro-batches"), results[rank]
+        assert results[rank].startswith(
+            "ValueError: the ranks [0, 1] of one sequence-parallel group must run the same micro-batches"
+        ), results[rank]
     for rank in (2, 3):  # the other group waited for the failed group's parameter shards, then gave up
-        assert results[rank].startswith(f"ODCTimeoutError: rank {rank}: waited 10s for mini-batch 1 shards; rank 0 "
-                                        f"did not get there"), results[rank]
+        assert results[rank].startswith(
+            f"ODCTimeoutError: rank {rank}: waited 10s for mini-batch 1 shards; rank 0 did not get there"
+        ), results[rank]
     assert time.monotonic() - start < 240
 
 
@@ -149,6 +166,7 @@ def _group_dies(rank, world_size, model_dir):
         def die(*args, **kwargs):
             forward_step(*args, **kwargs)
             os._exit(17)  # the whole group dies after its first forward
+
         actor.engine.forward_step = die
     H.train_step(actor, H.make_grpo_batch(SEED, BATCH, indices=UNEVEN[rank // SP]))
     return "unreachable"

@@ -8,13 +8,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-import odc_patches
 import pytest
 import torch
 import verl
-from odc_patches import PATCHES, PatchError, lb_mini_dispatch, lb_mini_worker
 from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+import odc_patches
+from odc_patches import PATCHES, PatchError, lb_mini_dispatch, lb_mini_worker
 
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
 
@@ -61,8 +62,10 @@ def _patched_state():
     }
     if HAS_TQ:
         trainer = _trainer()
-        state["trainer"] = [getattr(getattr(trainer, n, None), "_odc_patched", False)
-                            for n in ("_balance_batch", "_update_actor", "_update_critic")]
+        state["trainer"] = [
+            getattr(getattr(trainer, n, None), "_odc_patched", False)
+            for n in ("_balance_batch", "_update_actor", "_update_critic")
+        ]
     return state
 
 
@@ -123,7 +126,9 @@ def test_worker_patch_refuses_rewritten_method(stock_verl):
             return self.train_batch(data)
 
     TrainingWorker_.train_mini_batch.__qualname__ = "TrainingWorker.train_mini_batch"
-    stock_verl.setattr(TrainingWorker, "train_mini_batch", register(dispatch_mode=dispatch)(TrainingWorker_.train_mini_batch))
+    stock_verl.setattr(
+        TrainingWorker, "train_mini_batch", register(dispatch_mode=dispatch)(TrainingWorker_.train_mini_batch)
+    )
     with pytest.raises(PatchError, match="no longer uses"):
         lb_mini_worker.apply()
 
@@ -148,8 +153,9 @@ def test_worker_patch_refuses_changed_signature(stock_verl):
 
 
 def test_dispatch_patch_refuses_other_dispatch_mode(stock_verl):
-    stock_verl.setattr(ActorRolloutRefWorker, "update_actor",
-                       register(dispatch_mode=Dispatch.ONE_TO_ALL)(lambda self, data: None))
+    stock_verl.setattr(
+        ActorRolloutRefWorker, "update_actor", register(dispatch_mode=Dispatch.ONE_TO_ALL)(lambda self, data: None)
+    )
     with pytest.raises(PatchError, match="update_actor is no longer registered with a dispatch dict"):
         lb_mini_dispatch.apply()
 
@@ -157,12 +163,17 @@ def test_dispatch_patch_refuses_other_dispatch_mode(stock_verl):
 def test_dispatch_patch_refuses_other_dispatch_function(stock_verl):
     mode = _dispatch_mode(TrainingWorker.train_mini_batch)
     stock_verl.setitem(mode, "dispatch_fn", functools.partial(mode["dispatch_fn"].func, "critic"))
-    with pytest.raises(PatchError, match="train_mini_batch is no longer dispatched by dispatch_lazy_compute_data_proto"):
+    with pytest.raises(
+        PatchError, match="train_mini_batch is no longer dispatched by dispatch_lazy_compute_data_proto"
+    ):
         lb_mini_dispatch.apply()
 
 
-needs_trainer = pytest.mark.skipif(not HAS_TQ, reason="verl's v1 trainer module imports transfer_queue, which is "
-                                                      "not installed (pip install TransferQueue==0.1.10)")
+needs_trainer = pytest.mark.skipif(
+    not HAS_TQ,
+    reason="verl's v1 trainer module imports transfer_queue, which is "
+    "not installed (pip install TransferQueue==0.1.10)",
+)
 
 
 @needs_trainer
@@ -194,7 +205,9 @@ def test_trainer_patch_refuses_rewritten_update(stock_verl):
 def test_trainer_patch_skipped_without_transfer_queue(stock_verl):
     stock_verl.setattr(lb_mini_dispatch, "TRAINER_SKIPPED", lb_mini_dispatch.TRAINER_SKIPPED)  # put back after
     find_spec = importlib.util.find_spec
-    stock_verl.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transfer_queue" else find_spec(name, *a))
+    stock_verl.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transfer_queue" else find_spec(name, *a)
+    )
     lb_mini_dispatch.apply()
     assert "TransferQueue" in lb_mini_dispatch.TRAINER_SKIPPED
     assert all(_patched_state()["dispatch"])
@@ -232,8 +245,11 @@ def stock_cpu(monkeypatch):
     for module, attr in CPU_REPLACED.values():
         owner = importlib.import_module(module)
         current = getattr(owner, attr)
-        monkeypatch.setattr(owner, attr, getattr(current, "__wrapped__", current)
-                            if getattr(current, "_odc_patched", False) else current)
+        monkeypatch.setattr(
+            owner,
+            attr,
+            getattr(current, "__wrapped__", current) if getattr(current, "_odc_patched", False) else current,
+        )
     registry = dict(base._ROLLOUT_REGISTRY)
     registry.pop(("hf", "async"), None)
     monkeypatch.setattr(base, "_ROLLOUT_REGISTRY", registry)
@@ -249,8 +265,14 @@ def stock_cpu(monkeypatch):
 
 
 def test_cpu_patch_list():
-    assert CPU_PATCHES == ("cpu_process_group", "cpu_offload_unpinned", "cpu_valuehead_attn", "hf_rollout_registry",
-                           "cpu_slow_rank", "cpu_ulysses_sdpa")
+    assert CPU_PATCHES == (
+        "cpu_process_group",
+        "cpu_offload_unpinned",
+        "cpu_valuehead_attn",
+        "hf_rollout_registry",
+        "cpu_slow_rank",
+        "cpu_ulysses_sdpa",
+    )
     for name in CPU_PATCHES:
         patch = getattr(odc_patches, name)
         assert patch.VERL_VERSION == "0.9.1"
@@ -283,11 +305,20 @@ def test_cpu_patches_apply_to_stock_verl(stock_cpu, tmp_path):
     # flash_attention_2, which is not installed here)
     from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1, vocab_size=64)).save_pretrained(tmp_path)
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+        )
+    ).save_pretrained(tmp_path)
     config = AutoConfig.from_pretrained(tmp_path, attn_implementation="sdpa", num_labels=1)
-    model = replaced["cpu_valuehead_attn"](str(tmp_path), torch_dtype=None, model_config=config,
-                                           trust_remote_code=False)
+    model = replaced["cpu_valuehead_attn"](
+        str(tmp_path), torch_dtype=None, model_config=config, trust_remote_code=False
+    )
     assert type(model).__name__ == "Qwen2ForTokenClassification" and model.config._attn_implementation == "sdpa"
     # applying again changes nothing
     odc_patches.apply_all(CPU_PATCHES)
@@ -336,8 +367,15 @@ def test_cpu_patches_refuse_changed_targets(stock_cpu):
 def test_the_slow_rank_patch_finds_the_decoder_layers_of_actor_and_critic_models():
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-    config = Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=64, num_labels=1)
+    config = Qwen2Config(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        num_labels=1,
+    )
     for model in (Qwen2ForCausalLM(config), Qwen2ForTokenClassification(config)):
         assert cpu_slow_rank.decoder_layers(model) is model.model.layers
     with pytest.raises(ValueError, match="ODC_SLOW_RANKS: found no decoder layers"):

@@ -53,7 +53,7 @@ def test_moe_experts_sent_one_by_one_load_into_the_fused_layout(tmp_path):
     for name, value in trained.state_dict().items():
         torch.testing.assert_close(own[name], value, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(logits(server.model), logits(trained), rtol=1e-6, atol=1e-6)
-    tokens = trained.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=6)[0, len(PROMPT):].tolist()
+    tokens = trained.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=6)[0, len(PROMPT) :].tolist()
     assert greedy(server) == tokens
 
 
@@ -63,16 +63,25 @@ def test_moe_weights_that_do_not_fit_are_named(tmp_path):
     server = server_for(build_qwen3_moe(seed=0), tmp_path / "init")
     sent = dict(unfuse_moe_params(build_qwen3_moe(seed=1).state_dict().items(), "qwen3_moe"))
     partial = {k: v for k, v in sent.items() if k != "model.layers.1.mlp.experts.2.up_proj.weight"}
-    with pytest.raises(KeyError, match=r"sent part of model.layers.1.mlp.experts's experts; missing "
-                                       r"\['model.layers.1.mlp.experts.2.up_proj.weight'\]"):
+    with pytest.raises(
+        KeyError,
+        match=r"sent part of model.layers.1.mlp.experts's experts; missing "
+        r"\['model.layers.1.mlp.experts.2.up_proj.weight'\]",
+    ):
         asyncio.run(server.update_weights(partial))
     odd = {**sent, "model.layers.0.mlp.experts.3.down_proj.weight": torch.zeros(30, 15)}
-    with pytest.raises(ValueError, match=r"sent model.layers.0.mlp.experts.3.down_proj.weight with shape \[30, 15\], "
-                                         r"expert 0's is \[30, 14\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"sent model.layers.0.mlp.experts.3.down_proj.weight with shape \[30, 15\], "
+        r"expert 0's is \[30, 14\]",
+    ):
         asyncio.run(server.update_weights(odd))
     wide = {**sent, **{f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.zeros(30, 15) for e in range(5)}}
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.down_proj with shape \[5, 30, 15\], the "
-                                         r"rollout model holds it as \[5, 30, 14\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.0.mlp.experts.down_proj with shape \[5, 30, 15\], the "
+        r"rollout model holds it as \[5, 30, 14\]",
+    ):
         asyncio.run(server.update_weights(wide))
 
 
@@ -92,8 +101,11 @@ def test_lora_unmerged_base_then_adapter_generates_as_the_trainer_model(tmp_path
     trainer.eval()
     # verl's base sync: the base model's weights, adapted layers' named as vLLM's LoRA layers hold them
     base = trainer.base_model.model.state_dict()
-    base_sent = {replace_lora_wrapper(name.replace(".base_layer", ""), config): value
-                 for name, value in base.items() if "lora_" not in name}
+    base_sent = {
+        replace_lora_wrapper(name.replace(".base_layer", ""), config): value
+        for name, value in base.items()
+        if "lora_" not in name
+    }
     assert "model.layers.0.self_attn.q_proj.base_layer.weight" in base_sent
     asyncio.run(server.update_weights(base_sent, global_steps=1))  # the adapter server sends no config here
     for step in (1, 2):  # the first adapter, then a step's update of it
@@ -107,4 +119,4 @@ def test_lora_unmerged_base_then_adapter_generates_as_the_trainer_model(tmp_path
     with trainer.disable_adapter():
         assert not torch.allclose(logits(trainer), logits(server.model), atol=1e-4)  # the adapter matters
     tokens = trainer.generate(input_ids=torch.tensor([PROMPT]), do_sample=False, max_new_tokens=6)
-    assert greedy(server) == tokens[0, len(PROMPT):].tolist()
+    assert greedy(server) == tokens[0, len(PROMPT) :].tolist()

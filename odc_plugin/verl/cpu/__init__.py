@@ -34,8 +34,11 @@ def enable(after_import) -> None:
     after_import("verl.workers.engine", _register_stock_engines)
     after_import("verl.workers.rollout.replica", _register_rollout)
     odc_patches.apply_after_import(after_import, odc_patches.CPU_PATCHES)
-    logger.warning("odc_plugin: %s=cpu: verl runs on CPU (gloo process groups, FSDP engines on device cpu, "
-                   "rollout 'hf'); no accelerator is used", PLATFORM_ENV)
+    logger.warning(
+        "odc_plugin: %s=cpu: verl runs on CPU (gloo process groups, FSDP engines on device cpu, "
+        "rollout 'hf'); no accelerator is used",
+        PLATFORM_ENV,
+    )
 
 
 def _register_stock_engines() -> None:

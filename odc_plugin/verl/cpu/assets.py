@@ -25,14 +25,31 @@ from ..data import GSM8K, GSM8K_INSTRUCTION, make_row
 VERSION = 1
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CHAT_TEMPLATE = (
-    "{% for message in messages %}" + IM_START + "{{ message['role'] }}\n{{ message['content'] }}" + IM_END
-    + "\n{% endfor %}{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}"
+    "{% for message in messages %}"
+    + IM_START
+    + "{{ message['role'] }}\n{{ message['content'] }}"
+    + IM_END
+    + "\n{% endfor %}{% if add_generation_prompt %}"
+    + IM_START
+    + "assistant\n{% endif %}"
 )
-MODEL_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "max_position_embeddings": 512}
+MODEL_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 # Every MLP a mixture of 4 experts, 2 per token; the rest as the Qwen2.
-MOE_SHAPE = {**MODEL_SHAPE, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
-             "norm_topk_prob": True}
+MOE_SHAPE = {
+    **MODEL_SHAPE,
+    "head_dim": 16,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+}
 MODELS = ("qwen2", "qwen3_moe")
 NAMES = ("Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun")
 ITEMS = ("apples", "pens", "coins", "books", "cards", "shells", "stamps", "marbles")
@@ -85,11 +102,13 @@ def build_tokenizer(problems: list[Problem]):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=[PAD, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=[PAD, IM_START, IM_END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     corpus = [f"user\n{m['content']}" for p in problems for m in prompt_messages(p)]
     corpus += [f"assistant\n{p.solution}" for p in problems]
     tok.train_from_iterator(corpus, trainer)
@@ -99,11 +118,20 @@ def build_tokenizer(problems: list[Problem]):
 def build_model(tokenizer, seed: int, model: str = "qwen2"):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config_class, model_class, shape = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, MODEL_SHAPE),
-                                        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_SHAPE)}[model]
+    config_class, model_class, shape = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, MODEL_SHAPE),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_SHAPE),
+    }[model]
     eos, pad = tokenizer.convert_tokens_to_ids([IM_END, PAD])
-    config = config_class(**shape, vocab_size=len(tokenizer), tie_word_embeddings=False, bos_token_id=None,
-                          eos_token_id=eos, pad_token_id=pad, architectures=[model_class.__name__])
+    config = config_class(
+        **shape,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        architectures=[model_class.__name__],
+    )
     torch.manual_seed(seed)
     return model_class(config).to(torch.float32)
 
@@ -151,8 +179,15 @@ def cache_root() -> str:
     return os.environ.get("ODC_VERL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "odc-verl")
 
 
-def build(out_dir: str, *, model: str = "qwen2", n_train: int = 512, n_val: int = 64, warm_start_steps: int = 400,
-          seed: int = 0) -> None:
+def build(
+    out_dir: str,
+    *,
+    model: str = "qwen2",
+    n_train: int = 512,
+    n_val: int = 64,
+    warm_start_steps: int = 400,
+    seed: int = 0,
+) -> None:
     """Write the model (+ tokenizer) and the two parquet files into `out_dir`."""
     problems = make_problems(n_train + n_val, seed)
     train, val = problems[:n_train], problems[n_train:]
@@ -185,5 +220,6 @@ def ensure_assets(root: str | None = None, log=print, model: str = "qwen2") -> A
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return Assets(os.path.join(final, "model"), os.path.join(final, "train.parquet"),
-                  os.path.join(final, "test.parquet"))
+    return Assets(
+        os.path.join(final, "model"), os.path.join(final, "train.parquet"), os.path.join(final, "test.parquet")
+    )

@@ -43,8 +43,11 @@ def settings(assets: Assets, ranks: int, steps: int, out_dir: str) -> list[str]:
     engine = []
     for prefix in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp"):
         # fp32; seeded model set-up (the critic's value head is initialised at random)
-        engine += [f"+{prefix}.mixed_precision={fp32}", f"{prefix}.use_torch_compile=False",
-                   f"{prefix}.full_determinism=True"]
+        engine += [
+            f"+{prefix}.mixed_precision={fp32}",
+            f"{prefix}.use_torch_compile=False",
+            f"{prefix}.full_determinism=True",
+        ]
     return [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
@@ -110,14 +113,23 @@ def strategy_args(strategy: str) -> list[str]:
     return [f"{key}={strategy}" for key in STRATEGY_KEYS]
 
 
-def run_args(shared: list[str], strategy: str, overrides: list[str], metrics_file: str,
-             slow_ranks: str | None = None) -> list[str]:
+def run_args(
+    shared: list[str], strategy: str, overrides: list[str], metrics_file: str, slow_ranks: str | None = None
+) -> list[str]:
     # hydra's own files (config dump, job log) next to the run's, not in the caller's directory
     hydra_dir = os.path.join(os.path.dirname(metrics_file), f"hydra-{strategy}")
     env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     slow = [f"{env}.{SLOW_RANKS_ENV}='{slow_ranks}'"] if slow_ranks else []
-    return [*shared, *strategy_args(strategy), f"trainer.experiment_name={strategy}", f"hydra.run.dir={hydra_dir}",
-            f"{env}.VERL_FILE_LOGGER_PATH={metrics_file}", f"{env}.{PLATFORM_ENV}=cpu", *slow, *overrides]
+    return [
+        *shared,
+        *strategy_args(strategy),
+        f"trainer.experiment_name={strategy}",
+        f"hydra.run.dir={hydra_dir}",
+        f"{env}.VERL_FILE_LOGGER_PATH={metrics_file}",
+        f"{env}.{PLATFORM_ENV}=cpu",
+        *slow,
+        *overrides,
+    ]
 
 
 class ConfigRejected(ValueError):
@@ -244,8 +256,15 @@ def run_trainer(strategy: str, args: list[str], out_dir: str, steps: int, timeou
     with open(log_file, "w", encoding="utf-8") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                                errors="replace", start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         watch = _Watch(proc, ray_dir, timeout_s)
         watch.start()
         try:
@@ -275,7 +294,9 @@ def run_trainer(strategy: str, args: list[str], out_dir: str, steps: int, timeou
 # A line that states an exception: its class name (dotted or not) first, then ":" or "(" or nothing
 # ("ValueError: ...", "ray.exceptions.ActorDiedError: ...", "ValueError(...)"); not a warning that
 # mentions one ("UserWarning: ... ModuleNotFoundError(...)").
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?:\(.*\))?(?:[:(].*)?$")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?:\(.*\))?(?:[:(].*)?$"
+)
 # Ray prefixes a worker's output with its name and pid: "(TaskRunner pid=123) ", "(WorkerDict pid=4, ip=...) ".
 _RAY_PREFIX = re.compile(r"^\([^()]*pid=\d+[^()]*\)\s*")
 
@@ -294,18 +315,31 @@ def last_error(log_file: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="odc-grpo-cpu", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="odc-grpo-cpu", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
     parser.add_argument("--out", default="odc_grpo_cpu", help="output directory (default ./odc_grpo_cpu)")
     parser.add_argument("--ranks", type=int, default=2, help="training ranks (CPU processes) per run (default 2)")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
-                        help="which runs, in order (default: fsdp2 odc)")
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=list(STRATEGIES),
+        help="which runs, in order (default: fsdp2 odc)",
+    )
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is killed")
-    parser.add_argument("--model", choices=MODELS, default="qwen2",
-                        help="the tiny model trained (and the critic's, with a critic): a Qwen2 or a Qwen3-MoE")
-    parser.add_argument("--slow-ranks", metavar="R:F[,R:F]",
-                        help="training rank R's layers take F times as long, in both runs (a slow GPU on purpose)")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="qwen2",
+        help="the tiny model trained (and the critic's, with a critic): a Qwen2 or a Qwen3-MoE",
+    )
+    parser.add_argument(
+        "--slow-ranks",
+        metavar="R:F[,R:F]",
+        help="training rank R's layers take F times as long, in both runs (a slow GPU on purpose)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for both runs")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -325,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[PLATFORM_ENV] = "cpu"  # for the configuration checks below, as in the runs
     assets = ensure_assets(model=args.model)
     shared = settings(assets, args.ranks, args.steps, out_dir)
-    plan = {s: run_args(shared, s, args.overrides, os.path.join(out_dir, f"{s}.jsonl"), args.slow_ranks)
-            for s in args.strategies}
+    plan = {
+        s: run_args(shared, s, args.overrides, os.path.join(out_dir, f"{s}.jsonl"), args.slow_ranks)
+        for s in args.strategies
+    }
     try:
         for strategy, run in plan.items():
             validate(run, strategy)
@@ -339,29 +375,44 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([sys.executable, "-m", "verl.trainer.main_ppo", *plan[first]])
     print(f"command ({first}):\n  {PLATFORM_ENV}=cpu {command}")
     for strategy in args.strategies[1:]:
-        print(f"the {strategy} run differs in: {' '.join(strategy_args(strategy))} "
-              f"(and its experiment name and metrics file)")
+        print(
+            f"the {strategy} run differs in: {' '.join(strategy_args(strategy))} "
+            f"(and its experiment name and metrics file)"
+        )
     results = []
     for strategy, run in plan.items():
         print(f"run {strategy}: starting (full log: {os.path.join(out_dir, strategy + '.log')})")
         result = run_trainer(strategy, run, out_dir, args.steps, args.timeout_s)
         results.append(result)
-        print(f"run {strategy}: {'finished' if result.returncode == 0 else 'FAILED'} in {result.wall_s:.0f} s, "
-              f"{result.steps} steps, peak memory {result.peak_pss_gib:.1f} GiB")
+        print(
+            f"run {strategy}: {'finished' if result.returncode == 0 else 'FAILED'} in {result.wall_s:.0f} s, "
+            f"{result.steps} steps, peak memory {result.peak_pss_gib:.1f} GiB"
+        )
         if result.returncode != 0:
-            print(f"odc-grpo-cpu: the {strategy} run failed (exit code {result.returncode}): "
-                  f"{last_error(result.log_file)}\n  see {result.log_file}", file=sys.stderr)
+            print(
+                f"odc-grpo-cpu: the {strategy} run failed (exit code {result.returncode}): "
+                f"{last_error(result.log_file)}\n  see {result.log_file}",
+                file=sys.stderr,
+            )
             return 1
     if len(results) == 2:
         from .. import ab_report
 
-        report = ab_report.format_report(ab_report.compare(
-            *(ab_report.load_run(r.metrics_file, r.strategy, skip_first=1 if args.steps > 1 else 0) for r in results)))
+        report = ab_report.format_report(
+            ab_report.compare(
+                *(
+                    ab_report.load_run(r.metrics_file, r.strategy, skip_first=1 if args.steps > 1 else 0)
+                    for r in results
+                )
+            )
+        )
         with open(os.path.join(out_dir, "report.txt"), "w", encoding="utf-8") as fp:
             fp.write(report + "\n")
         print("\n" + report)
-        print("on CPU the update phase also differs in transport (odc's shared-memory copies vs fsdp2's gloo): "
-              "odc-demo separates the transport, the removed barriers and LB-Mini")
+        print(
+            "on CPU the update phase also differs in transport (odc's shared-memory copies vs fsdp2's gloo): "
+            "odc-demo separates the transport, the removed barriers and LB-Mini"
+        )
     return 0
 
 

@@ -63,8 +63,11 @@ class HFRolloutServer:
         # the implementations the trainer's model was told to use (override_config), if any
         implementations = {key: override[key] for key in ("experts_implementation",) if key in override}
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, torch_dtype=_dtype(config.dtype), attn_implementation=override.get("attn_implementation", "sdpa"),
-            **implementations)
+            path,
+            torch_dtype=_dtype(config.dtype),
+            attn_implementation=override.get("attn_implementation", "sdpa"),
+            **implementations,
+        )
         self.model.eval()
         self.eos_token_id = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
         self.pad_token_id = self.model.generation_config.pad_token_id or self.model.config.pad_token_id
@@ -75,11 +78,19 @@ class HFRolloutServer:
     def ready(self) -> bool:
         return True
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
-                       image_data=None, video_data=None, **kwargs) -> TokenOutput:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data=None,
+        video_data=None,
+        **kwargs,
+    ) -> TokenOutput:
         if image_data or video_data or kwargs.get("audio_data"):
-            raise NotImplementedError(f"rollout '{ROLLOUT_NAME}' generates from text token ids only "
-                                      f"(no images, video or audio)")
+            raise NotImplementedError(
+                f"rollout '{ROLLOUT_NAME}' generates from text token ids only (no images, video or audio)"
+            )
         prompt_ids = [int(t) for t in prompt_ids]
         async with self._lock:  # one generation at a time: a seeded request owns the generator it draws from
             seed = None
@@ -94,31 +105,45 @@ class HFRolloutServer:
         temperature = float(params.get("temperature", 1.0))
         top_k, top_p = int(params.get("top_k", -1)), float(params.get("top_p", 1.0))
         room = (self.config.max_model_len or self.model.config.max_position_embeddings) - len(prompt_ids)
-        max_new = min(int(params.get("max_tokens") or params.get("max_new_tokens") or self.config.response_length),
-                      room)
+        max_new = min(
+            int(params.get("max_tokens") or params.get("max_new_tokens") or self.config.response_length), room
+        )
         if max_new < 1:
-            raise ValueError(f"rollout '{ROLLOUT_NAME}': a prompt of {len(prompt_ids)} tokens leaves no room to "
-                             f"generate")
+            raise ValueError(
+                f"rollout '{ROLLOUT_NAME}': a prompt of {len(prompt_ids)} tokens leaves no room to generate"
+            )
         if seed is not None:
             torch.manual_seed(seed)
         out = self.model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-            top_k=top_k if top_k > 0 else None, top_p=top_p if temperature > 0 else None,
-            max_new_tokens=max_new, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-            output_logits=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt_ids):]
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_k=top_k if top_k > 0 else None,
+            top_p=top_p if temperature > 0 else None,
+            max_new_tokens=max_new,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[0, len(prompt_ids) :]
         log_probs = None
         if params.get("logprobs"):
             # raw logits: the log-probs of the distribution the trainer computes (logits / temperature)
             logits = torch.stack(out.logits, dim=1)[0].float()
             logits = logits / temperature if temperature > 0 else logits
             log_probs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
-        return TokenOutput(token_ids=tokens.tolist(), log_probs=log_probs, stop_reason="completed",
-                           extra_fields={"global_steps": self.global_steps})
+        return TokenOutput(
+            token_ids=tokens.tolist(),
+            log_probs=log_probs,
+            stop_reason="completed",
+            extra_fields={"global_steps": self.global_steps},
+        )
 
-    async def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None,
-                             peft_config: dict | None = None) -> None:
+    async def update_weights(
+        self, state: dict[str, torch.Tensor], global_steps: int | None = None, peft_config: dict | None = None
+    ) -> None:
         """Full weights, or with `peft_config` a LoRA adapter's weights (verl's merge=False sync) that the
         model then generates with."""
         async with self._lock:
@@ -145,8 +170,10 @@ class HFRolloutServer:
             self.model = get_peft_model(self.model, get_peft_config(dict(peft_config))).eval()
         result = set_peft_model_state_dict(self.model, state)
         if result.unexpected_keys:
-            raise KeyError(f"rollout '{ROLLOUT_NAME}': the trainer sent adapter weights the rollout model does not "
-                           f"have: {sorted(result.unexpected_keys)[:5]}")
+            raise KeyError(
+                f"rollout '{ROLLOUT_NAME}': the trainer sent adapter weights the rollout model does not "
+                f"have: {sorted(result.unexpected_keys)[:5]}"
+            )
 
     def _tied_names(self) -> set[str]:
         return {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
@@ -197,12 +224,17 @@ class HFReplica(RolloutReplica):
         if not self.workers:
             raise NotImplementedError(f"rollout '{ROLLOUT_NAME}' runs colocated with the trainer (hybrid engine) only")
         node_id = await self.workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-        server = ray.remote(HFRolloutServer).options(
-            name=server_name(self.replica_rank),
-            max_concurrency=self.max_concurrency,
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id,
-                                                                                              soft=False),
-        ).remote(self.config, self.model_config, self.replica_rank)
+        server = (
+            ray.remote(HFRolloutServer)
+            .options(
+                name=server_name(self.replica_rank),
+                max_concurrency=self.max_concurrency,
+                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    node_id=node_id, soft=False
+                ),
+            )
+            .remote(self.config, self.model_config, self.replica_rank)
+        )
         await server.ready.remote()
         self.servers = [server]
         self._server_handle = server
@@ -215,8 +247,11 @@ class HFServerAdapter(BaseRollout):
     def __init__(self, config, model_config, device_mesh, replica_rank: int = -1):
         super().__init__(config, model_config, device_mesh)
         rank = int(os.environ["RANK"])
-        replica_world = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
-                         * self.config.pipeline_model_parallel_size)
+        replica_world = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
         self.replica_rank = rank // replica_world if replica_rank == -1 else replica_rank
         self.is_leader = rank % replica_world == 0
 
@@ -227,13 +262,21 @@ class HFServerAdapter(BaseRollout):
         return None
 
     @torch.no_grad()
-    async def update_weights(self, weights, global_steps: int | None = None, wire_format: str = "named_tensors",
-                             peft_config: dict | None = None, base_sync_done: bool = True, **kwargs):
+    async def update_weights(
+        self,
+        weights,
+        global_steps: int | None = None,
+        wire_format: str = "named_tensors",
+        peft_config: dict | None = None,
+        base_sync_done: bool = True,
+        **kwargs,
+    ):
         """verl's weight sync: full weights (peft_config None), or for LoRA with merge=False first the base
         weights (base_sync_done False) and from then on the adapter's (peft_config, base_sync_done True)."""
         if wire_format != "named_tensors":
-            raise NotImplementedError(f"rollout '{ROLLOUT_NAME}' takes full weights (wire_format named_tensors), "
-                                      f"got {wire_format!r}")
+            raise NotImplementedError(
+                f"rollout '{ROLLOUT_NAME}' takes full weights (wire_format named_tensors), got {wire_format!r}"
+            )
         # Every rank drains the generator: producing each full tensor is a collective over the trainer ranks.
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
         if self.is_leader:

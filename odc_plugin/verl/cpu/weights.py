@@ -47,8 +47,9 @@ def to_model_layout(sent: dict[str, torch.Tensor], own: dict[str, torch.Tensor])
 
     unknown = sorted(name for name in state if name not in own_by_plain)
     if unknown:
-        raise KeyError(f"rollout '{ROLLOUT_NAME}': the trainer sent weights the rollout model does not have: "
-                       f"{unknown[:5]}")
+        raise KeyError(
+            f"rollout '{ROLLOUT_NAME}': the trainer sent weights the rollout model does not have: {unknown[:5]}"
+        )
     out = {}
     for name, tensor in state.items():
         target = own_by_plain[name]
@@ -59,16 +60,22 @@ def to_model_layout(sent: dict[str, torch.Tensor], own: dict[str, torch.Tensor])
 def _fused_experts(prefix: str, parts: dict[tuple[int, str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """One MoE layer's experts, sent one by one, as the two stacked tensors transformers 5 holds."""
     count = 1 + max(expert for expert, _ in parts)
-    missing = [f"{prefix}.{e}.{proj}.weight" for e in range(count) for proj in ("gate_proj", "up_proj", "down_proj")
-               if (e, proj) not in parts]
+    missing = [
+        f"{prefix}.{e}.{proj}.weight"
+        for e in range(count)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+        if (e, proj) not in parts
+    ]
     if missing:
         raise KeyError(f"rollout '{ROLLOUT_NAME}': the trainer sent part of {prefix}'s experts; missing {missing[:5]}")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         shapes = {e: list(parts[(e, proj)].shape) for e in range(count)}
         odd = [e for e in range(count) if shapes[e] != shapes[0]]
         if odd:
-            raise ValueError(f"rollout '{ROLLOUT_NAME}': the trainer sent {prefix}.{odd[0]}.{proj}.weight with shape "
-                             f"{shapes[odd[0]]}, expert 0's is {shapes[0]}")
+            raise ValueError(
+                f"rollout '{ROLLOUT_NAME}': the trainer sent {prefix}.{odd[0]}.{proj}.weight with shape "
+                f"{shapes[odd[0]]}, expert 0's is {shapes[0]}"
+            )
     gate_up = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(count)])
     down = torch.stack([parts[(e, "down_proj")] for e in range(count)])
     return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}
@@ -80,5 +87,7 @@ def _fit_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tens
     # some models keep stacked experts as [E, in, out] (the transpose of the per-expert Linear weights)
     if tensor.dim() == 3 and tensor.shape[0] == shape[0] and tensor.transpose(1, 2).shape == shape:
         return tensor.transpose(1, 2).contiguous()
-    raise ValueError(f"rollout '{ROLLOUT_NAME}': the trainer sent {name} with shape {list(tensor.shape)}, the rollout "
-                     f"model holds it as {list(shape)}")
+    raise ValueError(
+        f"rollout '{ROLLOUT_NAME}': the trainer sent {name} with shape {list(tensor.shape)}, the rollout "
+        f"model holds it as {list(shape)}"
+    )
