@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch.distributed as dist
 
 from .base import ODCPeerFailedError, ODCTimeoutError, Region, Transport
 
-TRANSPORTS = ("auto", "shm", "cuda_ipc", "nvshmem")
+TransportName = Literal["auto", "shm", "cuda_ipc", "nvshmem"]
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 
 
 def make_transport(kind: str = "auto", group: dist.ProcessGroup | None = None, **options) -> Transport:
@@ -36,4 +39,12 @@ def make_transport(kind: str = "auto", group: dist.ProcessGroup | None = None, *
     return NvshmemTransport(group, **options)
 
 
-__all__ = ["ODCPeerFailedError", "ODCTimeoutError", "Region", "Transport", "TRANSPORTS", "make_transport"]
+__all__ = [
+    "ODCPeerFailedError",
+    "ODCTimeoutError",
+    "Region",
+    "Transport",
+    "TransportName",
+    "TRANSPORTS",
+    "make_transport",
+]

@@ -51,15 +51,22 @@ from .mesh import data_parallel_mesh
 _INSTANCES = itertools.count()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ODCConfig:
+    """How `apply_odc` runs a model's mini-batches (keyword-only)."""
+
     barrier_timeout_s: float = 600.0
-    # None keeps FSDP2's default: the mean over ranks of each rank's summed micro-batch gradients.
+    """How long a rank waits for a peer (its published shards, or the end-of-mini-batch barrier) before it
+    fails naming the ranks that did not get there; > 0."""
+
     gradient_divide_factor: float | None = None
-    # A barrier before every gather and scatter inside the mini-batch: FSDP's per-layer synchronization
-    # on ODC's transport, the baseline that isolates what removing the barriers buys (benchmarks only;
-    # like FSDP it needs every rank to run the same micro-batches through the same modules).
+    """What the summed gradients are divided by; None keeps FSDP2's default, the mean over ranks of each
+    rank's summed micro-batch gradients."""
+
     lockstep: bool = False
+    """A barrier before every gather and scatter inside the mini-batch: FSDP's per-layer synchronization on
+    ODC's transport, the baseline that isolates what removing the barriers buys (benchmarks only; like
+    FSDP it needs every rank to run the same micro-batches through the same modules)."""
 
     def __post_init__(self):
         if not self.barrier_timeout_s > 0:

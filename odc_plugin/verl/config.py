@@ -1,48 +1,58 @@
 """The `odc` engine config: verl's FSDP engine config plus ODC's own options."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from verl.workers.config.engine import EngineConfig, FSDPEngineConfig
 
-from ..comm import TRANSPORTS
+from ..comm import TransportName
 
-BALANCERS = ("lb_mini", "lb_micro")
-COST_MODELS = ("tokens", "flops", "fit", "auto")
+# No `from __future__ import annotations` here: __post_init__ reads the Literal choices off the fields'
+# annotations, which must be the types themselves.
+Balancer = Literal["lb_mini", "lb_micro"]
+CostModelName = Literal["tokens", "flops", "fit", "auto"]
+BALANCERS: tuple[str, ...] = get_args(Balancer)
+COST_MODELS: tuple[str, ...] = get_args(CostModelName)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ODCEngineConfig(FSDPEngineConfig):
-    """Everything `FSDPEngineConfig` has, plus:
+    """`FSDPEngineConfig` plus ODC's own options, set per role as `odc_*` keys of its engine config
+    (`actor_rollout_ref.actor.fsdp_config.`, `actor_rollout_ref.ref.fsdp_config.`, `critic.fsdp.`)."""
 
-    odc_transport: how peers' memory is reached: auto | shm | cuda_ipc | nvshmem.
-    odc_balancer: how the trainer spreads each mini-batch over ranks: lb_mini (balance each rank's total
-        cost, counts may differ) or lb_micro (verl's equal counts).
-    odc_cost_model: the cost of one sequence for lb_mini: tokens | flops (from the model's config) |
-        fit (odc_cost_fit_a * s^2 + odc_cost_fit_b * s, from a calibration run) | auto (flops until the
-        first update, then c + a*s^2 + b*s per micro-batch and each rank's speed, fitted to the
-        micro-batch times measured while training).
-    odc_barrier_timeout_s: how long a rank waits for the others at the end of a mini-batch before it
-        fails naming the ranks that did not arrive.
-    """
+    strategy: Literal["odc"] = "odc"
+    """The engine; verl copies it from the role's `strategy`."""
 
-    strategy: str = "odc"
-    odc_transport: str = "auto"
-    odc_balancer: str = "lb_mini"
-    odc_cost_model: str = "auto"
+    odc_transport: TransportName = "auto"
+    """How a rank reaches its peers' memory: `shm` (CPU ranks of one machine), `cuda_ipc` (GPUs of one
+    node), `nvshmem` (GPUs across nodes); `auto` picks by device and by where the ranks are."""
+
+    odc_balancer: Balancer = "lb_mini"
+    """How the trainer spreads each mini-batch over ranks: `lb_mini` balances each rank's total cost (counts
+    may differ); `lb_micro` keeps verl's equal counts."""
+
+    odc_cost_model: CostModelName = "auto"
+    """The cost of one sequence for `lb_mini`: `tokens`; `flops` (from the model's config, an MoE's active
+    parameters); `fit` (`odc_cost_fit_a * s^2 + odc_cost_fit_b * s`, from a calibration run); `auto`
+    (`flops` until the first update, then `c + a*s^2 + b*s` per micro-batch and each rank's speed, fitted
+    to the micro-batch times measured while training)."""
+
     odc_cost_fit_a: float = 0.0
+    """`fit` cost: the quadratic coefficient (attention), >= 0."""
+
     odc_cost_fit_b: float = 1.0
+    """`fit` cost: the linear coefficient (the weight matrices), >= 0; not both 0."""
+
     odc_barrier_timeout_s: float = 600.0
+    """How long a rank waits for the others (at the end of a mini-batch, or for a peer's shards) before
+    it fails naming the ranks that did not arrive."""
 
     def __post_init__(self):
         # FSDPEngineConfig's own check allows only its strategies; everything else it checks is EngineConfig's.
         EngineConfig.__post_init__(self)
-        _check_choice("strategy", self.strategy, ("odc",))
-        _check_choice("odc_transport", self.odc_transport, TRANSPORTS)
-        _check_choice("odc_balancer", self.odc_balancer, BALANCERS)
-        _check_choice("odc_cost_model", self.odc_cost_model, COST_MODELS)
+        for name, hint in ODCEngineConfig.__annotations__.items():
+            if get_origin(hint) is Literal:
+                _check_choice(name, getattr(self, name), get_args(hint))
         if not self.odc_barrier_timeout_s > 0:
             raise ValueError(f"odc_barrier_timeout_s must be > 0, got {self.odc_barrier_timeout_s}")
         if min(self.odc_cost_fit_a, self.odc_cost_fit_b) < 0 or self.odc_cost_fit_a == self.odc_cost_fit_b == 0:

@@ -353,3 +353,27 @@ def test_example_command_passes_validation(script, strategy, tmp_path):
     assert "file" in cfg.trainer.logger
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+@pytest.mark.parametrize("config_class", ["odc_plugin.verl.config.ODCEngineConfig", "odc_plugin.fsdp.odc.ODCConfig"])
+def test_odc_configs_are_keyword_only_with_a_docstring_per_field(config_class):
+    """torchtitan's style: choices as Literal types (checked from the annotation, the error naming the key),
+    keyword-only fields, each documented where it is declared."""
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+    import typing
+
+    module, name = config_class.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    own = list(cls.__annotations__)
+    assert all(f.kw_only for f in fields(cls) if f.name in own)
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for i, node in enumerate(body):
+        if isinstance(node, ast.AnnAssign):
+            after = body[i + 1] if i + 1 < len(body) else None
+            assert isinstance(after, ast.Expr) and isinstance(after.value.value, str), f"{node.target.id}: no docstring"
+    literals = [n for n, hint in cls.__annotations__.items() if typing.get_origin(hint) is typing.Literal]
+    if cls is ODCEngineConfig:
+        assert literals == ["strategy", "odc_transport", "odc_balancer", "odc_cost_model"]
