@@ -14,7 +14,7 @@ import importlib
 PATCHED_VERL_VERSION = "0.9.1"
 
 # Patch modules, applied in this order.
-PATCHES: tuple[str, ...] = ("lb_mini_worker", "lb_mini_dispatch")
+PATCHES: tuple[str, ...] = ("lb_mini_worker", "lb_mini_dispatch", "rank_metrics_agree")
 # What verl needs to run without an accelerator: applied only with VERL_PLATFORM=cpu.
 CPU_PATCHES: tuple[str, ...] = (
     "cpu_process_group",

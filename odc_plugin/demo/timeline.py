@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from ..comm import Region, Transport
+from ..fsdp._fsdp_internals import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 
 TRANSFER, PUBLISHED, BARRIER, COLLECTIVE = "transfer", "published", "barrier", "collective"
 

@@ -14,7 +14,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+# Re-exported: the interfaces of set_custom_all_gather / set_custom_reduce_scatter (public methods whose
+# argument types torch keeps in a private module), and FSDP2's own implementations of them.
+_ = (AllGather, ReduceScatter, DefaultAllGather, DefaultReduceScatter)
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from ..comm import Transport
 from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
+from ._fsdp_internals import AllGather, ReduceScatter
 from .mesh import data_parallel_mesh
 
 # apply_odc is collective, so every rank creates its OnDemandComms in the same order: the count names

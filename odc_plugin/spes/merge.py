@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import SPESConfig
 from .experts import MoELayer, local_tensor
@@ -39,13 +38,23 @@ def _local_gate(layer: MoELayer, expert: int) -> torch.Tensor:
     """This rank's rows of the expert's gate projection (of an FSDP shard: the gate rows in it)."""
     weight = layer.expert_params(expert)[0]
     local = local_tensor(weight)
-    offset = 0
-    if isinstance(weight, DTensor):
-        # Where the shard starts, from torch's own (private) helper rather than re-deriving DTensor's
-        # chunking here; FSDP2 shards by rows.
-        offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)[1][0]
+    offset = _first_row(weight) if isinstance(weight, DTensor) else 0
     keep = min(max(layer.gate_rows - offset, 0), local.shape[0])
     return local[:keep].reshape(-1)
+
+
+def _first_row(weight: DTensor) -> int:
+    """The global row where this rank's shard of a row-sharded DTensor starts (FSDP2 shards dim 0 over one
+    mesh dimension and replicates over any other), by torch.chunk's rule: ceil(rows / n) rows per rank."""
+    dims = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    if (
+        len(dims) != 1
+        or weight.placements[dims[0]].dim != 0
+        or not all(isinstance(p, (Shard, Replicate)) for p in weight.placements)
+    ):
+        raise ValueError(f"SPES merges experts sharded by rows over one mesh dimension, got {weight.placements}")
+    size, rank = weight.device_mesh.size(dims[0]), weight.device_mesh.get_local_rank(dims[0])
+    return min(rank * -(-weight.shape[0] // size), weight.shape[0])
 
 
 def donors(layer: MoELayer, topk: int, node_group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ responses. A few minutes in all (each run ~1-2 minutes on 2 cores).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,11 +22,12 @@ import pytest
 from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
+from tests.verl import golden
 
 RANKS = 2
 RUN_TIMEOUT_S = 900
 ODC_OPTIONS = ["hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc"]
-KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
+KL_LOSS = golden.KL_LOSS
 PPO = [
     "algorithm.adv_estimator=gae",
     "critic.optim.lr=1e-4",
@@ -99,7 +101,7 @@ def grpo_cli(out, assets):
     """`odc-grpo-cpu --steps 3` with the KL loss on (so the reference model is built as each strategy's engine)."""
     run_dir = out / "grpo"
     proc = subprocess.run(
-        [sys.executable, "-m", "odc_plugin.verl.cpu.grpo", "--steps", "3", "--out", str(run_dir), *KL_LOSS],
+        [sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *golden.RUN_ARGS, "--out", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=2 * RUN_TIMEOUT_S,
@@ -187,6 +189,25 @@ def test_step_one_equals_fsdp2(grpo_cli):
     )
     assert abs(fsdp2["actor/pg_loss"] - odc["actor/pg_loss"]) <= 1e-5 * max(1.0, abs(fsdp2["actor/pg_loss"]))
     assert fsdp2["actor/grad_norm"] > 0  # rewards vary within groups: there is something to learn
+
+
+def test_both_runs_equal_the_golden_metrics(grpo_cli):
+    """Rewards, lengths, losses and gradient norms of every step of both runs against the committed file
+    (tests/verl/golden.py says why these tolerances); a change meant to move them refreshes the file."""
+    _, runs, _ = grpo_cli
+    want = json.loads(golden.GOLDEN_FILE.read_text())["metrics"]
+    lines = golden.differences(golden.golden_metrics(runs), want)
+    assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
+
+
+def test_the_golden_comparison_catches_small_changes():
+    want = {"odc": {"2": {"actor/grad_norm": 0.5, "critic/score/mean": 0.25}}}
+    same = {"odc": {"2": {"actor/grad_norm": 0.5 * (1 + 1e-7), "critic/score/mean": 0.25}}}
+    assert golden.differences(same, want) == []
+    nudged = {"odc": {"2": {"actor/grad_norm": 0.5 * (1 + 1e-5), "critic/score/mean": 0.25}}}
+    assert golden.differences(nudged, want)[0].startswith("odc step 2 actor/grad_norm: 0.500005")
+    reward = {"odc": {"2": {"actor/grad_norm": 0.5, "critic/score/mean": 0.28125}}}
+    assert golden.differences(reward, want) == ["odc step 2 critic/score/mean: 0.28125 vs golden 0.25 (rel 0.12)"]
 
 
 def test_kl_loss_runs_with_the_reference_model_as_an_odc_engine(grpo_cli):

@@ -49,12 +49,16 @@ def stock_verl(monkeypatch):
             fn = getattr(trainer, name)
             if getattr(fn, "_odc_patched", False):
                 monkeypatch.setattr(trainer, name, fn.__wrapped__)
+    post = TrainingWorker._postprocess_output
+    if getattr(post, "_odc_patched", False):
+        monkeypatch.setattr(TrainingWorker, "_postprocess_output", post.__wrapped__)
     return monkeypatch
 
 
 def _patched_state():
     state = {
         "train_mini_batch": getattr(TrainingWorker.train_mini_batch, "_odc_patched", False),
+        "postprocess": getattr(TrainingWorker._postprocess_output, "_odc_patched", False),
         "dispatch": [
             getattr(_dispatch_mode(m)["dispatch_fn"], "func", None) is lb_mini_dispatch._lb_mini_dispatch
             for m in (ActorRolloutRefWorker.update_actor, TrainingWorker.train_mini_batch)
@@ -70,7 +74,7 @@ def _patched_state():
 
 
 def test_patch_list():
-    assert PATCHES == ("lb_mini_worker", "lb_mini_dispatch")
+    assert PATCHES == ("lb_mini_worker", "lb_mini_dispatch", "rank_metrics_agree")
     for name in PATCHES:
         assert getattr(odc_patches, name).VERL_VERSION == verl.__version__ == "0.9.1"
 
@@ -79,7 +83,7 @@ def test_patches_apply_to_stock_verl(stock_verl):
     assert not any(v if isinstance(v, bool) else any(v) for v in _patched_state().values())
     assert odc_patches.apply_all() == list(PATCHES)
     state = _patched_state()
-    assert state["train_mini_batch"] and all(state["dispatch"])
+    assert state["train_mini_batch"] and all(state["dispatch"]) and state["postprocess"]
     if HAS_TQ:
         assert all(state["trainer"]) and lb_mini_dispatch.TRAINER_SKIPPED is None
     # the patched method is still a registered worker method with verl's dispatch dict
@@ -104,6 +108,20 @@ def test_other_verl_version_is_refused(stock_verl, name):
 # ---------------------------------------------------------------------------------------------
 # lb_mini_worker: TrainingWorker.train_mini_batch
 # ---------------------------------------------------------------------------------------------
+
+
+def test_rank_metrics_patch_refuses_a_changed_postprocess(stock_verl):
+    from odc_patches import rank_metrics_agree
+
+    def _postprocess_output(self, output, *, global_token_num, delta_time, forward_only, images_seqlens):
+        return {"metrics": {}}  # a rewrite that no longer takes per-rank readings
+
+    stock_verl.setattr(TrainingWorker, "_postprocess_output", _postprocess_output)
+    with pytest.raises(PatchError, match="no longer reports"):
+        rank_metrics_agree.apply()
+    stock_verl.setattr(TrainingWorker, "_postprocess_output", lambda self, output, **kwargs: None)
+    with pytest.raises(PatchError, match=r"_postprocess_output\(self, output, kwargs\) is not"):
+        rank_metrics_agree.apply()
 
 
 def test_worker_patch_refuses_missing_method(stock_verl):

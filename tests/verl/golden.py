@@ -1,0 +1,98 @@
+"""Golden per-step metrics of `odc-grpo-cpu`'s deterministic run, committed next to this file, so that a
+change that moves fsdp2 and odc the same way (a verl patch, the CPU rollout, the assets) is seen too.
+
+    python -m tests.verl.golden [--out DIR]            # run it and refresh golden/grpo_cpu.json
+    python -m tests.verl.golden --check DIR             # compare a finished run's metrics with the file
+
+The run is `odc-grpo-cpu --steps 3` with the KL loss on (the `grpo_cli` run of test_main_ppo, which checks
+it against the file). Rewards and lengths are compared exactly (sampling is seeded; they change only
+when the weights that sample do), losses and gradient norms to RTOL: float32 sums taken in another order
+(another CPU's kernels, another thread count) differ at about 1e-7, and a step of a 1% larger learning
+rate moves them by more than 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from odc_plugin.verl.ab_report import read_metrics
+from odc_plugin.verl.cpu.grpo import STRATEGIES
+
+GOLDEN_FILE = Path(__file__).parent / "golden" / "grpo_cpu.json"
+KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
+RUN_ARGS = ["--steps", "3", *KL_LOSS]
+EXACT = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
+CLOSE = ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
+RTOL = 1e-6
+
+
+def golden_metrics(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, dict[str, float]]]:
+    """The compared metrics of each strategy's steps, as the golden file holds them."""
+    return {
+        s: {str(step): {k: m[k] for k in EXACT + CLOSE if k in m} for step, m in sorted(runs[s].items())} for s in runs
+    }
+
+
+def differences(got: dict, want: dict, rtol: float = RTOL) -> list[str]:
+    """What differs between two golden_metrics, one line each; empty when they agree."""
+    lines = []
+    for strategy in sorted(set(got) | set(want)):
+        steps_got, steps_want = got.get(strategy, {}), want.get(strategy, {})
+        if sorted(steps_got) != sorted(steps_want):
+            lines.append(f"{strategy}: steps {sorted(steps_got)} instead of {sorted(steps_want)}")
+        for step in sorted(set(steps_got) & set(steps_want)):
+            a, b = steps_got[step], steps_want[step]
+            for key in sorted(set(a) | set(b)):
+                if key not in a or key not in b:
+                    lines.append(
+                        f"{strategy} step {step} {key}: {a.get(key, 'missing')} vs golden {b.get(key, 'missing')}"
+                    )
+                elif key in EXACT and a[key] != b[key] or not math.isclose(a[key], b[key], rel_tol=rtol):
+                    lines.append(
+                        f"{strategy} step {step} {key}: {a[key]!r} vs golden {b[key]!r} "
+                        f"(rel {abs(a[key] - b[key]) / max(abs(b[key]), 1e-30):.2g})"
+                    )
+    return lines
+
+
+def read_run(out_dir: str) -> dict[str, dict[int, dict]]:
+    return {
+        s: read_metrics(os.path.join(out_dir, f"{s}.jsonl"))
+        for s in STRATEGIES
+        if os.path.exists(os.path.join(out_dir, f"{s}.jsonl"))
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.verl.golden", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="golden_run", help="where the refreshing run writes (default ./golden_run)")
+    parser.add_argument("--check", metavar="DIR", help="compare the run in DIR with the golden file; no new run")
+    args = parser.parse_args(argv)
+    old = json.loads(GOLDEN_FILE.read_text())["metrics"] if GOLDEN_FILE.exists() else {}
+    if args.check:
+        lines = differences(golden_metrics(read_run(args.check)), old)
+        print("\n".join(lines) if lines else f"{args.check} matches {GOLDEN_FILE}")
+        return 1 if lines else 0
+    proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *RUN_ARGS, "--out", args.out])
+    if proc.returncode:
+        print(f"the run failed (exit {proc.returncode}); {GOLDEN_FILE} left as it was")
+        return proc.returncode
+    new = golden_metrics(read_run(args.out))
+    lines = differences(new, old)
+    GOLDEN_FILE.parent.mkdir(exist_ok=True)
+    GOLDEN_FILE.write_text(
+        json.dumps({"command": f"odc-grpo-cpu {' '.join(RUN_ARGS)}", "rtol": RTOL, "metrics": new}, indent=1) + "\n"
+    )
+    print(f"{GOLDEN_FILE} refreshed; what changed:" if lines else f"{GOLDEN_FILE} refreshed; nothing changed")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
