@@ -23,7 +23,9 @@ from odc_plugin.balance import (
     sft_long_context_like,
     verl_rank_partition,
 )
-from odc_plugin.balance.planner import StepTimeModel, format_table, length_source, plan_table
+from odc_plugin.balance.plan_report import format_table
+from odc_plugin.balance.planner import length_source
+from odc_plugin.balance.step_time import StepTimeModel, plan_table
 
 GENERATORS = {"rl": (rl_math_like, 16384), "sft": (sft_long_context_like, 32768)}
 

@@ -143,6 +143,8 @@ def run_ranks(
     `fn` must be importable (a module-level function); `setup`, if given, runs in each rank before the
     process group starts and before `fn`'s module is imported. Raises RankFailed naming the first
     failed rank; if one fails, the others get `failure_grace_s` to finish, then are killed.
+
+    Long because starting, watching and reaping the ranks is one sequence whose clean-up paths share state.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

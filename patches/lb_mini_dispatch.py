@@ -168,7 +168,10 @@ def _stage_settings(trainer, stage: str):
     """LB-Mini settings of a stage (cached on the trainer), None for verl's equal split.
 
     Stages: "actor" and "critic" (updates), "old_log_prob", "ref_log_prob" and "values" (forward-only
-    passes, planned with their role's training fit)."""
+    passes, planned with their role's training fit).
+
+    Long because it is one branch per stage, each reading that stage's keys from verl's config.
+    """
     cache = trainer.__dict__.setdefault("_odc_lb_mini_settings", {})
     if stage in cache:
         return cache[stage]

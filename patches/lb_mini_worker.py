@@ -115,7 +115,10 @@ def apply() -> None:
 
 
 def _train_by_counts(self, data, counts: list[int]):
-    """verl's train_mini_batch loop over this rank's uneven mini-batch shares (see the module docstring)."""
+    """verl's train_mini_batch loop over this rank's uneven mini-batch shares (see the module docstring).
+
+    Long because it follows verl's own train_mini_batch step by step, so that the two read side by side.
+    """
     import torch
     from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu

@@ -1,8 +1,8 @@
 """LB-Mini: balancing a mini-batch's total work per rank once ODC frees ranks from lockstep.
 
 lb_mini and lb_micro (verl's own behaviour, the baseline) both return, per data-parallel rank, a list
-of micro-batches of sample indices; odc_plugin.balance.planner's step-time model predicts what each is
-worth (it is left out here so that `python -m odc_plugin.balance.planner` runs it cleanly).
+of micro-batches of sample indices; odc_plugin.balance.step_time's model predicts what each is worth
+(`odc-plan`, odc_plugin.balance.planner, prints it; plan_report formats it).
 """
 
 from odc_plugin.balance.common import RankPlan, balance_efficiency

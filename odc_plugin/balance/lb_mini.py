@@ -51,6 +51,8 @@ def lb_mini(
     exact, and where the equal split is already nearly balanced (few ranks, many samples) a "better"
     split by a slightly wrong model is as likely slower; so LB-Mini moves away from a working split only
     for a gain larger than that error.
+
+    Long because its three starts and the exchange pass share the plan state; each is commented in place.
     """
     lens = check_minibatch(seqlens, dp_size, max_token_len)
     costs = get_cost_model(cost).costs(lens)

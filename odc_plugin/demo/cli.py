@@ -22,7 +22,8 @@ def _time_scale(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """odc-demo's arguments; long because it is one add_argument per option."""
     defaults = DemoConfig(ranks=2)
     p = argparse.ArgumentParser(
         prog="odc-demo",
@@ -86,6 +87,11 @@ def main(argv=None) -> None:
         help="with --emulate: run the rl and sft cases (odc_plugin/demo/sweep.py) at each rank count; "
         "writes odc_sweep.json and odc_sweep.png",
     )
+    return p
+
+
+def main(argv=None) -> None:
+    p = _parser()
     args = p.parse_args(argv)
     sweep = args.sweep_ranks is not None
     if sweep and not args.emulate:

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..balance import CostModel, FitCost, FlopsCost, lb_micro, lb_mini
 from ..balance.costs import fit_quadratic
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit, lb_mini_auto
-from ..balance.planner import simulate_minibatch
+from ..balance.step_time import simulate_minibatch
 from ..launch import run_ranks
 from ..layer_time import ComputeEmulator
 from ..models import MODEL_SIZES, build_model, qwen2_config, shard_qwen2
@@ -123,6 +123,9 @@ def _gathered_timings(rank: int, batch, micro_batches, seconds) -> list[MicroBat
 
 
 def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | None, prior: CostModel):
+    """One rank's part of the demo; long because it is the one loop over mini-batches and rows that the timings must
+    come from, in order.
+    """
     mesh = init_device_mesh("cpu", (world,))
     vocab = MODEL_SIZES[cfg.model_size].vocab_size
     slowdown = cfg.slowdowns[rank]

@@ -97,6 +97,9 @@ class OnDemandComm:
     """ODC state of one FSDP2 model: its regions, its hooks and the mini-batch protocol."""
 
     def __init__(self, model: nn.Module, transport: Transport, config: ODCConfig | None = None):
+        """Set ODC up on a fully_shard-ed model; long because set-up is one ordered sequence (checks, mesh, regions,
+        layouts, hooks) whose steps share their state.
+        """
         self.model = model
         self.transport = transport
         self.config = config or ODCConfig()

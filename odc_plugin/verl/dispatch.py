@@ -96,6 +96,8 @@ def plan_mini_batches(
     the driver), except where that would leave a rank empty. `rank_speed` and `micro_batch_cost` go to
     LB-Mini (the `auto` cost's fit), and so does `min_gain`, the smallest predicted gain for which LB-Mini
     leaves verl's equal split (see lb_mini).
+
+    Long because it checks verl's constraints one by one, each with its own message, before planning.
     """
     lens = [int(s) for s in seqlens]
     _check_int("mini_batch_size", mini_batch_size)

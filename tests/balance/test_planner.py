@@ -7,12 +7,11 @@ import json
 import pytest
 
 from odc_plugin.balance import get_cost_model, rl_math_like
-from odc_plugin.balance.planner import (
+from odc_plugin.balance.planner import length_source, main
+from odc_plugin.balance.step_time import (
     ClusterModel,
     StepTimeModel,
     compare_schemes,
-    length_source,
-    main,
     model_params,
     plan_table,
     simulate_minibatch,

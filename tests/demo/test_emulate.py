@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from odc_plugin.balance import FitCost
-from odc_plugin.balance.planner import simulate_minibatch
+from odc_plugin.balance.step_time import simulate_minibatch
 from odc_plugin.demo import main
 from odc_plugin.demo.config import DemoConfig
 from odc_plugin.demo.emulate import EmulationFit

@@ -38,7 +38,10 @@ STEP_LINE = re.compile(r"\bstep:(\d+) - ")
 
 
 def settings(assets: Assets, ranks: int, steps: int, out_dir: str) -> list[str]:
-    """Everything both runs share: a small GRPO job on `ranks` CPU training ranks."""
+    """Everything both runs share: a small GRPO job on `ranks` CPU training ranks.
+
+    Long because it is one list of hydra overrides, read top to bottom.
+    """
     fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     engine = []
     for prefix in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp"):
@@ -314,7 +317,7 @@ def last_error(log_file: str) -> str:
     return (errors or lines or ["(no output)"])[-1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="odc-grpo-cpu", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -341,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         help="training rank R's layers take F times as long, in both runs (a slow GPU on purpose)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for both runs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """odc-grpo-cpu: check both runs' configurations, run them, report; long because it is the command's steps in
+    order, each a few lines.
+    """
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")

@@ -1,0 +1,314 @@
+"""The step-time model behind `odc-plan`: how long a mini-batch takes under FSDP+LB-Micro, ODC+LB-Micro
+and ODC+LB-Mini, on one node or several.
+
+FSDP's per-layer collectives make ranks move in lockstep: every micro-batch step lasts as long as its
+slowest rank. Under ODC a rank only waits at the end of the mini-batch, so a mini-batch lasts as long
+as the slowest rank's own sum. Work outside the micro-batch loop (optimizer step, final gradient
+reduction) is the same in all three and left out. Across nodes (`cluster_table`) it compares FSDP2's
+HSDP, ODC inside each node with one all-reduce across nodes, and flat ODC.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+
+from odc_plugin.balance.common import RankPlan, balance_efficiency
+from odc_plugin.balance.costs import CostModel, FlopsCost, get_cost_model
+from odc_plugin.balance.lb_micro import lb_micro
+from odc_plugin.balance.lb_mini import lb_mini
+
+SCHEMES = {"fsdp_lb_micro": "FSDP+LB-Micro", "odc_lb_micro": "ODC+LB-Micro", "odc_lb_mini": "ODC+LB-Mini"}
+
+# Per GPU and direction, what collectives reach on H100 nodes: NVLink 4 carries 450 GB/s each way, of
+# which NCCL reaches about 80%; one 400 Gb/s (NDR) InfiniBand NIC per GPU carries 50 GB/s, again ~80%.
+NVLINK_BW = 360e9
+
+IB_BW = 40e9
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds of one micro-batch on one rank: max(compute, parameter communication), since both FSDP and
+    ODC prefetch the next layer's parameters while computing the current one.
+
+    throughput is cost units per second (FLOP/s for the flops cost; 1 for a fit in seconds).
+    layer_comm_bytes is what a full layer moves per micro-batch (gathered parameters in forward and
+    backward, plus gradients); each rank moves the (dp - 1) / dp it does not hold, over NVLink inside
+    a node and over the network beyond one. 0 models compute only.
+    """
+
+    throughput: float = 1.0
+    layer_comm_bytes: float = 0.0
+    num_layers: int = 0
+    intra_node_bw: float = NVLINK_BW
+    inter_node_bw: float = IB_BW
+    gpus_per_node: int = 8
+
+    def __post_init__(self):
+        for name in ("throughput", "intra_node_bw", "inter_node_bw", "gpus_per_node"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"StepTimeModel.{name} must be > 0, got {getattr(self, name)}")
+        if self.layer_comm_bytes < 0 or self.num_layers < 0:
+            raise ValueError("StepTimeModel.layer_comm_bytes and num_layers must be >= 0")
+        if self.layer_comm_bytes and not self.num_layers:
+            raise ValueError("StepTimeModel.layer_comm_bytes needs num_layers")
+
+    def comm_seconds(self, dp_size: int) -> float:
+        bw = self.intra_node_bw if dp_size <= self.gpus_per_node else self.inter_node_bw
+        return self.num_layers * self.layer_comm_bytes * (dp_size - 1) / dp_size / bw
+
+
+@dataclass(frozen=True)
+class MiniBatchTime:
+    seconds: float
+    idle_fraction: float  # share of rank-seconds in the mini-batch not spent computing
+
+
+def simulate_minibatch(
+    plan: RankPlan,
+    costs: Sequence[float],
+    *,
+    lockstep: bool,
+    model: StepTimeModel = StepTimeModel(),
+    comm_s: float | None = None,
+    slowdown: Sequence[float] | None = None,
+) -> MiniBatchTime:
+    """Time of one mini-batch run as `plan` (per rank, micro-batches of sample indices into costs);
+    `comm_s`, when given, is each micro-batch's communication instead of the model's; `slowdown[r]`
+    multiplies rank r's compute (a slower GPU). Idle is measured against each rank's own busy time."""
+    comm = model.comm_seconds(len(plan)) if comm_s is None else comm_s
+    slowdown = [1.0] * len(plan) if slowdown is None else list(slowdown)
+    if len(slowdown) != len(plan):
+        raise ValueError(f"slowdown has {len(slowdown)} entries for {len(plan)} ranks")
+    compute = [[sum(costs[i] for i in mb) * f / model.throughput for mb in rank] for rank, f in zip(plan, slowdown)]
+    if lockstep:
+        counts = sorted({len(rank) for rank in compute})
+        if len(counts) > 1:
+            raise ValueError(f"lockstep ranks need equal micro-batch counts, got counts {counts}")
+        seconds = sum(max(*step, comm) for step in zip(*compute))
+    else:
+        seconds = max(sum(max(c, comm) for c in rank) for rank in compute)
+    busy = sum(map(sum, compute))
+    return MiniBatchTime(seconds, 1 - busy / (len(plan) * seconds) if seconds else 0.0)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    times: dict[str, MiniBatchTime]  # per scheme
+    efficiency: dict[str, float]  # balance_efficiency of the LB-Micro and LB-Mini rank totals, by the same cost
+
+
+def compare_schemes(
+    seqlens: Sequence[int],
+    dp_size: int,
+    max_token_len: int,
+    cost: str | CostModel = "tokens",
+    model: StepTimeModel = StepTimeModel(),
+) -> Comparison:
+    """Plan one mini-batch with LB-Micro and LB-Mini and time it under the three schemes."""
+    cost = get_cost_model(cost)
+    costs = cost.costs(seqlens)
+    micro = lb_micro(seqlens, dp_size, max_token_len)
+    mini = lb_mini(seqlens, dp_size, max_token_len, cost=cost, baseline=micro)
+    return Comparison(
+        times={
+            "fsdp_lb_micro": simulate_minibatch(micro, costs, lockstep=True, model=model),
+            "odc_lb_micro": simulate_minibatch(micro, costs, lockstep=False, model=model),
+            "odc_lb_mini": simulate_minibatch(mini, costs, lockstep=False, model=model),
+        },
+        efficiency={"lb_micro": balance_efficiency(micro, costs), "lb_mini": balance_efficiency(mini, costs)},
+    )
+
+
+@dataclass
+class PlanRow:
+    """Means over the draws of one (ranks, mini-batch size) configuration."""
+
+    dp_size: int  # data-parallel units: GPUs, or sequence-parallel groups of `sp` GPUs
+    minibatch_size: int
+    seconds: dict[str, float]
+    idle_fraction: dict[str, float]
+    efficiency: dict[str, float]
+    sp: int = 1
+
+    def speedup(self, scheme: str) -> float:
+        return self.seconds["fsdp_lb_micro"] / self.seconds[scheme]
+
+
+def plan_table(
+    draw: Callable[[int, int], list[int]],
+    ranks: Sequence[int],
+    minibatch_sizes: Sequence[int],
+    max_token_len: int,
+    cost: str | CostModel = "tokens",
+    model: StepTimeModel = StepTimeModel(),
+    draws: int = 5,
+    seed: int = 0,
+    sp_sizes: Sequence[int] = (1,),
+) -> list[PlanRow]:
+    """One row per (ranks, sequence-parallel size, mini-batch size) that divides evenly, as verl requires;
+    `ranks` are GPUs; `draw(n, seed)` gives the lengths of one mini-batch of n samples. Every row sees the
+    same draws."""
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    rows = []
+    for gpus in ranks:
+        for sp in sp_sizes:
+            if sp < 1 or gpus % sp:
+                continue
+            dp, group_model = gpus // sp, replace(model, throughput=model.throughput * sp)
+            for size in minibatch_sizes:
+                if size % dp:
+                    continue
+                runs = [
+                    compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model)
+                    for d in range(draws)
+                ]
+                rows.append(
+                    PlanRow(
+                        dp,
+                        size,
+                        seconds={s: statistics.fmean(r.times[s].seconds for r in runs) for s in SCHEMES},
+                        idle_fraction={s: statistics.fmean(r.times[s].idle_fraction for r in runs) for s in SCHEMES},
+                        efficiency={k: statistics.fmean(r.efficiency[k] for r in runs) for k in runs[0].efficiency},
+                        sp=sp,
+                    )
+                )
+    return rows
+
+
+CLUSTER_SCHEMES = {"fsdp_hsdp": "FSDP-HSDP+LB-Micro", "odc_hsdp": "ODC-HSDP+LB-Mini", "odc_flat": "flat ODC+LB-Mini"}
+
+# Qwen2.5 models whose config.json ties the LM head to the input embedding.
+TIED_EMBEDDINGS = {"Qwen2.5-0.5B", "Qwen2.5-1.5B"}
+
+
+def model_params(preset: str) -> int:
+    """Parameters of a preset: its weight matrices (as FlopsCost counts them, head included; an MoE's every
+    expert, all of which are communicated) plus the input embedding when the head is not tied to it."""
+    cost = FlopsCost.from_config(preset).dense()
+    embedding = 0 if preset in TIED_EMBEDDINGS else cost.vocab_size * cost.hidden_size
+    return cost.linear_flops_per_token // 2 + embedding
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """Communication of data parallelism over `gpus_per_node`-GPU nodes, per GPU.
+
+    Every micro-batch gathers each parameter twice (forward and backward, bf16: `param_bytes`) and
+    reduces its gradient once (fp32: `grad_bytes`); a rank moves the part it does not hold, and both
+    FSDP and ODC overlap it with compute (a micro-batch lasts max(compute, communication)).
+
+    - fsdp_hsdp: shards inside a node; every backward also all-reduces each gradient shard across the
+      nodes (verl's default, use_no_sync_for_gradient_accumulation=False), on its own links, overlapped.
+    - odc_hsdp: shards inside a node; one all-reduce of the gradient shard across nodes after the
+      mini-batch, not overlapped.
+    - odc_flat: shards over every rank; (G - 1) / dp of the bytes over NVLink, (dp - G) / dp over the
+      network, concurrently. NVSHMEM's host-driven accumulate (it folds only while the owner calls the
+      transport) is not modelled, so this is flat ODC's best case.
+    """
+
+    model_params: float
+    gpus_per_node: int = 8
+    intra_node_bw: float = NVLINK_BW
+    inter_node_bw: float = IB_BW
+    param_bytes: int = 2
+    grad_bytes: int = 4
+
+    def __post_init__(self):
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"ClusterModel.{f.name} must be > 0, got {getattr(self, f.name)}")
+
+    def micro_batch_comm(self, scheme: str, nodes: int) -> float:
+        g, dp = self.gpus_per_node, nodes * self.gpus_per_node
+        moved = self.model_params * (2 * self.param_bytes + self.grad_bytes)
+        if scheme == "odc_flat":
+            return moved * max((g - 1) / dp / self.intra_node_bw, (dp - g) / dp / self.inter_node_bw)
+        intra = moved * (g - 1) / g / self.intra_node_bw
+        return max(intra, self.all_reduce_seconds(nodes)) if scheme == "fsdp_hsdp" else intra
+
+    def all_reduce_seconds(self, nodes: int) -> float:
+        """A ring all-reduce of one rank's fp32 gradient shard (1/G of the model) across the nodes."""
+        shard = self.model_params * self.grad_bytes / self.gpus_per_node
+        return 2 * (nodes - 1) / nodes * shard / self.inter_node_bw
+
+    def end_seconds(self, scheme: str, nodes: int) -> float:
+        return self.all_reduce_seconds(nodes) if scheme == "odc_hsdp" else 0.0
+
+
+@dataclass
+class ClusterRow:
+    """Means over the draws of one (nodes, mini-batch size) configuration."""
+
+    nodes: int
+    gpus_per_node: int
+    minibatch_size: int
+    seconds: dict[str, float]
+    idle_fraction: dict[str, float]
+    all_reduce_s: float  # ODC-HSDP's end-of-mini-batch all-reduce
+    flat_comm_s: float  # flat ODC's communication per micro-batch
+
+    @property
+    def pick(self) -> str:
+        return min(CLUSTER_SCHEMES, key=self.seconds.__getitem__)
+
+
+def compare_cluster(
+    seqlens: Sequence[int], nodes: int, max_token_len: int, cost: CostModel, cluster: ClusterModel, throughput: float
+) -> dict[str, MiniBatchTime]:
+    """One mini-batch over nodes x gpus_per_node ranks, LB-Micro for FSDP and LB-Mini over every rank for ODC."""
+    dp = nodes * cluster.gpus_per_node
+    costs = cost.costs(seqlens)
+    micro = lb_micro(seqlens, dp, max_token_len)
+    mini = lb_mini(seqlens, dp, max_token_len, cost=cost, baseline=micro)
+    compute = StepTimeModel(throughput=throughput)
+    times = {}
+    for scheme, plan, lockstep in (("fsdp_hsdp", micro, True), ("odc_hsdp", mini, False), ("odc_flat", mini, False)):
+        t = simulate_minibatch(
+            plan, costs, lockstep=lockstep, model=compute, comm_s=cluster.micro_batch_comm(scheme, nodes)
+        )
+        seconds = t.seconds + cluster.end_seconds(scheme, nodes)
+        times[scheme] = MiniBatchTime(seconds, 1 - (1 - t.idle_fraction) * t.seconds / seconds)
+    return times
+
+
+def cluster_table(
+    draw: Callable[[int, int], list[int]],
+    nodes: Sequence[int],
+    minibatch_sizes: Sequence[int],
+    max_token_len: int,
+    cost: CostModel,
+    cluster: ClusterModel,
+    throughput: float,
+    draws: int = 5,
+    seed: int = 0,
+) -> list[ClusterRow]:
+    """One row per (nodes, mini-batch size) whose size divides over the ranks; every node count sees the
+    same draws."""
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    rows = []
+    for n in nodes:
+        if n < 2:
+            raise ValueError(f"--nodes compares multi-node set-ups; got {n} node(s)")
+        for size in minibatch_sizes:
+            if size % (n * cluster.gpus_per_node):
+                continue
+            runs = [
+                compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput) for d in range(draws)
+            ]
+            rows.append(
+                ClusterRow(
+                    n,
+                    cluster.gpus_per_node,
+                    size,
+                    seconds={s: statistics.fmean(r[s].seconds for r in runs) for s in CLUSTER_SCHEMES},
+                    idle_fraction={s: statistics.fmean(r[s].idle_fraction for r in runs) for s in CLUSTER_SCHEMES},
+                    all_reduce_s=cluster.all_reduce_seconds(n),
+                    flat_comm_s=cluster.micro_batch_comm("odc_flat", n),
+                )
+            )
+    return rows
