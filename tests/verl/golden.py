@@ -7,8 +7,9 @@ change that moves fsdp2 and odc the same way (a verl patch, the CPU rollout, the
 The run is `odc-grpo-cpu --steps 3` with the KL loss on (the `grpo_cli` run of test_main_ppo, which checks
 it against the file). Rewards and lengths are compared exactly (sampling is seeded; they change only
 when the weights that sample do), losses and gradient norms to RTOL: float32 sums taken in another order
-(another CPU's kernels, another thread count) differ at about 1e-7, and a step of a 1% larger learning
-rate moves them by more than 1e-5.
+differ by up to 7e-5 here (fsdp2 against odc in one run: the KL loss of step 2; gradient norms 6e-6),
+while a learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% (and gradient norms by up to
+7e-4), which RTOL = 1e-3 catches with room on both sides.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.
 RUN_ARGS = ["--steps", "3", *KL_LOSS]
 EXACT = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
 CLOSE = ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
-RTOL = 1e-6
+RTOL = 1e-3
 
 
 def golden_metrics(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, dict[str, float]]]:

@@ -202,10 +202,10 @@ def test_both_runs_equal_the_golden_metrics(grpo_cli):
 
 def test_the_golden_comparison_catches_small_changes():
     want = {"odc": {"2": {"actor/grad_norm": 0.5, "critic/score/mean": 0.25}}}
-    same = {"odc": {"2": {"actor/grad_norm": 0.5 * (1 + 1e-7), "critic/score/mean": 0.25}}}
+    same = {"odc": {"2": {"actor/grad_norm": 0.5 * (1 + 1e-4), "critic/score/mean": 0.25}}}
     assert golden.differences(same, want) == []
-    nudged = {"odc": {"2": {"actor/grad_norm": 0.5 * (1 + 1e-5), "critic/score/mean": 0.25}}}
-    assert golden.differences(nudged, want)[0].startswith("odc step 2 actor/grad_norm: 0.500005")
+    nudged = {"odc": {"2": {"actor/grad_norm": 0.5 * (1 + 2e-3), "critic/score/mean": 0.25}}}
+    assert golden.differences(nudged, want)[0].startswith("odc step 2 actor/grad_norm: 0.501")
     reward = {"odc": {"2": {"actor/grad_norm": 0.5, "critic/score/mean": 0.28125}}}
     assert golden.differences(reward, want) == ["odc step 2 critic/score/mean: 0.28125 vs golden 0.25 (rel 0.12)"]
 
