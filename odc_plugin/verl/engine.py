@@ -108,8 +108,6 @@ class _ODCEngineMixin:
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
 
         micro_batches, indices = prepare_micro_batches(data=data, same_micro_num_in_dp=False)
-        if self.ulysses_sequence_parallel_size > 1:
-            self._check_sequence_parallel_group_agrees(micro_batches)
         scaler = getattr(self, "scaler", None)
         outputs = []
         clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
@@ -117,6 +115,8 @@ class _ODCEngineMixin:
             self.expert_routing.take()  # count this mini-batch's routing only
         # a micro-batch that raises ends the mini-batch on every rank at once (OnDemandComm.abort)
         with self.odc.minibatch(backward=not forward_only):
+            if self.ulysses_sequence_parallel_size > 1:
+                self._check_sequence_parallel_group_agrees(micro_batches)
             for i, micro_batch in enumerate(micro_batches):
                 clock.start(micro_batch)
                 last = i == len(micro_batches) - 1
@@ -152,7 +152,8 @@ class _ODCEngineMixin:
     def _check_sequence_parallel_group_agrees(self, micro_batches) -> None:
         """The ranks of a Ulysses group exchange attention heads in every layer of every micro-batch, so
         they must run the same micro-batches; a group whose ranks received different samples would hang
-        in that exchange or mix sequences. One collective inside the group, before the mini-batch."""
+        in that exchange or mix sequences. One collective inside the group, before the first micro-batch;
+        inside the mini-batch, so that the other groups learn of the refusal at once."""
         mine = [_sequence_lengths(mb) for mb in micro_batches]
         group = self.ulysses_parallel_group
         every: list = [None] * dist.get_world_size(group)

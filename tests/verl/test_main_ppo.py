@@ -278,11 +278,14 @@ def ppo(out, assets):
 
 
 def _same_step(a: dict, b: dict) -> None:
-    """The same rollouts, and updates that agree (see test_step_one_equals_fsdp2 for the tolerance)."""
+    """The same rollouts, and updates that agree. Looser than test_step_one_equals_fsdp2's 1e-5: the actor's
+    gradient here goes through GAE advantages built from the critic's values, which each strategy computes
+    with its own float32 rounding; CI measured the actor's gradient norms 1.1e-5 apart on the same weights.
+    1e-4 still catches a dropped or doubled sample, which moves these by percents."""
     for key in ("critic/score/mean", "response_length/mean"):
         assert a[key] == b[key], key
     for key in ("critic/values/mean", "critic/vf_loss", "critic/grad_norm", "actor/grad_norm"):
-        assert close(a[key], b[key], 1e-5), (key, a[key], b[key])
+        assert close(a[key], b[key], 1e-4), (key, a[key], b[key])
 
 
 def test_ppo_with_a_critic(ppo):
