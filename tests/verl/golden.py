@@ -14,7 +14,9 @@ while a learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% (and gr
 The file also holds a fingerprint of the tiny model the run starts from (its weights depend on the
 tokenizer and the data too, through the warm start). The assets are built once per machine and cached;
 a cache left by older code under the same `assets.VERSION` gives other metrics for reasons no change
-under test explains, so a mismatch of the fingerprint is reported first, naming the cache.
+under test explains, so a mismatch of the fingerprint is reported first, naming the cache. So are the
+versions of the libraries that compute the run, when metrics moved and they differ from those the file
+was made with.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ RUN_ARGS = ["--steps", "3", *KL_LOSS]
 EXACT = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
 CLOSE = ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
 RTOL = 1e-3
+LIBRARIES = ("torch", "transformers", "tokenizers", "verl")
 
 
 def golden_metrics(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -81,6 +84,12 @@ def assets_fingerprint(model_dir: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in LIBRARIES}
+
+
 def compare(runs: dict[str, dict[int, dict]]) -> list[str]:
     """What differs between a finished run and the golden file, one line each; empty when they agree."""
     golden = json.loads(GOLDEN_FILE.read_text())
@@ -92,7 +101,12 @@ def compare(runs: dict[str, dict[int, dict]]) -> list[str]:
             f" those the golden metrics start from (model {golden.get('assets')}): a cache built by older "
             "code? delete it and rerun; if the build was changed on purpose, bump assets.VERSION and refresh"
         )
-    return lines + differences(golden_metrics(runs), golden["metrics"])
+    metrics = differences(golden_metrics(runs), golden["metrics"])
+    made_with, have = golden.get("versions", {}), library_versions()
+    if metrics and made_with != have:  # a hint where the metrics moved, not a failure of its own
+        changed = ", ".join(f"{k} {made_with.get(k)} -> {have[k]}" for k in LIBRARIES if made_with.get(k) != have[k])
+        lines.append(f"libraries differ from those the golden metrics were made with: {changed}")
+    return lines + metrics
 
 
 def read_run(out_dir: str) -> dict[str, dict[int, dict]]:
@@ -125,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "command": f"odc-grpo-cpu {' '.join(RUN_ARGS)}",
                 "assets": assets_fingerprint(ensure_assets(log=lambda _: None).model_dir),
+                "versions": library_versions(),
                 "rtol": RTOL,
                 "metrics": new,
             },
