@@ -30,6 +30,11 @@ def assert_weights_agree(got: dict, want: dict, bound: float, label: str = "") -
     return f"max {worst:.3g}, {off} of {total} beyond rtol {RTOL:g}"
 
 
+def over_ranks(per_rank: list[dict]) -> dict:
+    """Every rank's weights in one dict keyed by (rank, name), to compare all ranks at once."""
+    return {(rank, name): value for rank, weights in enumerate(per_rank) for name, value in weights.items()}
+
+
 def assert_trained(after: dict, before: dict) -> None:
     for name, value in after.items():
         assert not torch.equal(value, before[name]), f"{name} did not train"

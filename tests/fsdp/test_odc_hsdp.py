@@ -16,7 +16,7 @@ import torch
 
 from odc_plugin.launch import RankFailed, run_ranks
 
-from ..weights import assert_trained, assert_weights_agree
+from ..weights import assert_trained, assert_weights_agree, over_ranks
 from . import hsdp_workers, workers
 from .test_odc_core import random_plan, reference_train_steps
 
@@ -71,8 +71,8 @@ def test_equal_counts_match_stock_fsdp2_hsdp_fp32_and_bf16():
     stats = {}
     for mixed_precision, bound in ((False, 1e-5), (True, 1e-4)):
         label = "bf16 params" if mixed_precision else "fp32"
-        got = {(rank, n): v for rank, r in enumerate(results) for n, v in r[(mixed_precision, True)].items()}
-        want = {(rank, n): v for rank, r in enumerate(results) for n, v in r[(mixed_precision, False)].items()}
+        got = over_ranks([r[(mixed_precision, True)] for r in results])
+        want = over_ranks([r[(mixed_precision, False)] for r in results])
         for rank_results in results:
             assert_trained(rank_results[(mixed_precision, False)], initial)
         stats[label] = assert_weights_agree(got, want, bound, label)

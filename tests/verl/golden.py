@@ -122,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="golden_run", help="where the refreshing run writes (default ./golden_run)")
     parser.add_argument("--check", metavar="DIR", help="compare the run in DIR with the golden file; no new run")
     args = parser.parse_args(argv)
-    old = json.loads(GOLDEN_FILE.read_text())["metrics"] if GOLDEN_FILE.exists() else {}
     if args.check:
         lines = compare(read_run(args.check))
         print("\n".join(lines) if lines else f"{args.check} matches {GOLDEN_FILE}")
         return 1 if lines else 0
+    old = json.loads(GOLDEN_FILE.read_text())["metrics"] if GOLDEN_FILE.exists() else {}
     proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *RUN_ARGS, "--out", args.out])
     if proc.returncode:
         print(f"the run failed (exit {proc.returncode}); {GOLDEN_FILE} left as it was")

@@ -23,7 +23,7 @@ from odc_plugin.launch import RankFailed
 from odc_plugin.verl.config import ODCEngineConfig
 from tests.fsdp.workers import collectives_called
 from tests.verl import harness as H
-from tests.weights import assert_weights_agree
+from tests.weights import assert_weights_agree, over_ranks
 
 WORLD, SP = 4, 2
 BATCH, SEED, STEPS = 12, 0, 3
@@ -110,10 +110,10 @@ def test_ulysses_uneven_groups_equal_fsdp2_with_the_same_sp_after_adamw_steps(ru
     # against fsdp2 with the same sp every weight to rtol 1e-5; without sp the attention is computed in
     # another layout, whose rounding Adam can carry further on a weight with a near-zero gradient (seen: 1
     # of 8192, 1.3e-6 off), so those are counted (tests/weights.py)
+    got = over_ranks([r["odc"]["after"] for r in runs])
     worst = {}
     for reference in ("fsdp2", "fsdp2 sp=1"):
-        got = {(rank, n): v for rank, r in enumerate(runs) for n, v in r["odc"]["after"].items()}
-        want = {(rank, n): v for rank, r in enumerate(runs) for n, v in r[reference]["after"].items()}
+        want = over_ranks([r[reference]["after"] for r in runs])
         if reference == "fsdp2":
             for key, value in want.items():
                 torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=f"{reference}: {key}")
