@@ -4,14 +4,17 @@ Each rank runs with one thread so that W ranks on W cores do not fight over them
 a server process that has imported torch and transformers once (multiprocessing's forkserver), so 32 ranks
 start in seconds instead of each importing them again (about 4 s of CPU each). Results come back
 through files (torch.save), not pipes, so a rank may return tensors and exit at once. If any rank fails,
-the others are killed and the first failure is raised with its traceback; nothing is left running.
+the others are killed and the first failure is raised with its traceback; nothing is left running, and
+nothing is left on disk either when the launcher itself is stopped with SIGTERM or Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import select
+import signal
 import socket
 import tempfile
 import threading
@@ -128,6 +131,26 @@ def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, b
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM (a scheduler, `kill`) raises SystemExit while ranks run, so the launcher cleans up as on
+    Ctrl-C: its ranks killed, its results directory and the fork server's socket directory removed. The
+    default action would end the process on the spot and leave both directories in the temp dir. Left
+    alone where a SIGTERM handler is already set, or off the main thread (where Python cannot set one)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def _exit(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -151,7 +174,7 @@ def run_ranks(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process starts its fork server
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
+    with _sigterm_exits(), tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
         procs = [
             ctx.Process(
                 target=_rank_main,

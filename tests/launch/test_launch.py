@@ -1,4 +1,4 @@
-"""run_ranks leaves nothing running, even when its own process is killed."""
+"""run_ranks leaves nothing running and nothing on disk, even when its own process is stopped."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
-def test_ranks_die_with_a_parent_killed_by_sigterm(tmp_path):
+def test_ranks_die_with_a_parent_killed_by_sigterm_and_its_temp_dirs_go(tmp_path):
+    temp_dir = tmp_path / "tmp"  # the parent's TMPDIR: its results and fork-server directories go there
+    temp_dir.mkdir()
     parent = subprocess.Popen(
         [
             sys.executable,
@@ -39,6 +41,7 @@ def test_ranks_die_with_a_parent_killed_by_sigterm(tmp_path):
             ),
         ],
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        env={**os.environ, "TMPDIR": str(temp_dir)},
     )
     try:
         deadline = time.monotonic() + 120
@@ -52,5 +55,9 @@ def test_ranks_die_with_a_parent_killed_by_sigterm(tmp_path):
         while any(map(_alive, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(map(_alive, pids)), "a rank outlived its parent"
+        assert parent.returncode == 128 + signal.SIGTERM, parent.returncode
+        # torch's compile cache (torchinductor_<user>) is meant to outlive the process.
+        left = sorted(p.name for p in temp_dir.iterdir() if not p.name.startswith("torchinductor_"))
+        assert not left, f"left behind: {left}"
     finally:
         parent.kill()
