@@ -106,7 +106,9 @@ class CudaIpcTransport(Transport):
         self._check_range(region, peer, offset, n)
         if region.dtype != torch.float32:
             raise TypeError(f"accumulate needs a float32 region, '{region.name}' is {region.dtype}")
-        self._kernels.accumulate(self._peers[region.name][peer][offset : offset + n], src, scope="sys")
+        # Each rank starts at its own tile of the range, so the owner's concurrent writers spread out.
+        dst = self._peers[region.name][peer][offset : offset + n]
+        self._kernels.accumulate(dst, src, scope="sys", sender=self.rank, senders=self.world_size)
 
     def barrier(self, timeout_s: float) -> None:
         self._epoch += 1

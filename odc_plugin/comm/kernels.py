@@ -4,11 +4,25 @@ Every launcher enqueues on the current CUDA stream and returns at once, so the t
 ordered inside FSDP's all-gather / reduce-scatter streams. With TRITON_INTERPRET=1 the same kernels run
 on CPU tensors (that is how the unit tests check their arithmetic; atomicity and memory ordering can
 only be checked on a GPU).
+
+An accumulate into a peer's shard can be built two ways, and the element-wise kernel below serves both
+(docs/gpu.md says which measurement chooses):
+- remote atomics (`accumulate`): every sender adds straight into the owner's fp32 accumulator with
+  atomic adds; the owner does nothing. What the cuda_ipc transport does.
+- per-source slots folded by the owner: each sender writes its contribution, in its own dtype, into its
+  own slot in the owner's memory with plain stores (`store`), and the owner adds its slots into the
+  accumulator locally (`add`): no atomics, but an owner that must take part. What the nvshmem transport
+  does across nodes (with its own header-driven fold, `fold_slot`), and the paper authors' design.
+Launches follow tiling.plan_tiles: a bounded grid, a grid-stride loop and a start per sender. A thread
+handles contiguous elements, so Triton emits 128-bit loads and stores when both pointers are 16-byte
+aligned and the count a multiple of 16 (it specializes every launch on that).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .tiling import PROGRAMS, TILE, plan_tiles
 
 try:
     import triton
@@ -18,20 +32,34 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "the ODC GPU transports need Triton; install the plugin's `gpu` extra (pip install 'odc-verl[gpu]')"
     ) from e
 
-BLOCK = 1024
+ATOMIC_ADD, ADD, STORE = 0, 1, 2  # what `_tiles_kernel` does with each element of src
+WARPS = 8  # 256 threads: 16 contiguous elements each in a tile of 4096
 
 
-@triton.jit
-def _accumulate_kernel(dst_ptr, src_ptr, n, BLOCK: tl.constexpr, SCOPE: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # Relaxed: each element only needs to be added exactly once; ordering against the barrier flag is
-    # established afterwards (kernel completion + host synchronize, then a release store of the flag).
-    # Scope "sys" when dst may be another GPU's memory: a device-scope atomic is only atomic against
-    # threads of the issuing GPU, while other GPUs add into the same words at the same time.
-    tl.atomic_add(dst_ptr + offs, x, mask=mask, sem="relaxed", scope=SCOPE)
+@triton.jit(do_not_specialize=["tiles", "first"])
+def _tiles_kernel(dst_ptr, src_ptr, n, tiles, first, TILE: tl.constexpr, OP: tl.constexpr, SCOPE: tl.constexpr):
+    # Program p handles tiles first + p, first + p + P, ... (P programs, wrapping around at `tiles`):
+    # at any moment the grid works on one window of P tiles, which starts elsewhere for every sender.
+    # A while loop: Triton's interpreter takes no `range` bound that is a runtime value.
+    programs = tl.num_programs(0)
+    lanes = tl.arange(0, TILE)
+    i = tl.program_id(0)
+    while i < tiles:
+        offs = ((i + first) % tiles).to(tl.int64) * TILE + lanes
+        mask = offs < n
+        x = tl.load(src_ptr + offs, mask=mask, other=0.0)
+        if OP == 0:
+            # Relaxed: each element only needs to be added exactly once; ordering against the barrier flag
+            # is established afterwards (kernel completion + host synchronize, then a release store of the
+            # flag). Scope "sys" when dst may be another GPU's memory: a device-scope atomic is only atomic
+            # against threads of the issuing GPU, while other GPUs add into the same words at the same time.
+            tl.atomic_add(dst_ptr + offs, x.to(tl.float32), mask=mask, sem="relaxed", scope=SCOPE)
+        elif OP == 1:
+            y = tl.load(dst_ptr + offs, mask=mask, other=0.0)
+            tl.store(dst_ptr + offs, y + x.to(tl.float32), mask=mask)
+        else:
+            tl.store(dst_ptr + offs, x, mask=mask)  # converted to dst's dtype by the store
+        i += programs
 
 
 @triton.jit
@@ -42,7 +70,7 @@ def _store_release_kernel(flag_ptr, value):
 
 
 @triton.jit
-def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, ROUNDS: tl.constexpr, TILE: tl.constexpr):
     # The owner's host does not know what a slot holds: the header, delivered by the same put as the
     # payload, says where to add (element offset), how much, in which dtype and into which region (an
     # index into the table of accumulator addresses). Layout: odc_plugin/comm/nvshmem.py, HEADER_BYTES.
@@ -54,7 +82,7 @@ def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, ROUNDS: t
     code = tl.load(hdr_ptr + 2)
     acc_ptr = tl.load(table_ptr + tl.load(hdr_ptr + 3)).to(tl.pointer_type(tl.float32))
     for r in range(ROUNDS):
-        offs = (r * nprog + pid) * BLOCK + tl.arange(0, BLOCK)
+        offs = (r * nprog + pid) * TILE + tl.arange(0, TILE)
         mask = offs < n
         if code == 1:
             x = tl.load(pay_bf16_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -65,20 +93,50 @@ def _fold_kernel(hdr_ptr, pay_f32_ptr, pay_bf16_ptr, table_ptr, nprog, ROUNDS: t
         tl.atomic_add(acc_ptr + base + offs, x, mask=mask, sem="relaxed", scope="gpu")
 
 
-def accumulate(dst: torch.Tensor, src: torch.Tensor, scope: str = "sys") -> None:
-    """dst[:] += src (converted to fp32) with atomic adds; `dst` is a contiguous fp32 tensor."""
-    if dst.dtype != torch.float32:
+def _launch(op: int, dst: torch.Tensor, src: torch.Tensor, scope: str, sender: int, senders: int, programs: int):
+    """Launch `_tiles_kernel` over dst[:] and src (flattened); returns Triton's compiled kernel (None when
+    interpreted or when there is nothing to do)."""
+    if op != STORE and dst.dtype != torch.float32:
         raise TypeError(f"ODC accumulators are float32, got {dst.dtype}")
     if not dst.is_contiguous():
-        raise ValueError("accumulate needs a contiguous destination")
+        raise ValueError("the destination must be contiguous")
     src = src.reshape(-1)
     if not src.is_contiguous():
         src = src.contiguous()
     n = src.numel()
     if n != dst.numel():
-        raise ValueError(f"accumulate of {n} elements into {dst.numel()}")
-    if n:
-        _accumulate_kernel[(triton.cdiv(n, BLOCK),)](dst, src, n, BLOCK=BLOCK, SCOPE=scope)
+        raise ValueError(f"{n} source elements for {dst.numel()} destination elements")
+    plan = plan_tiles(n, sender, senders, programs)
+    if not n:
+        return None
+    return _tiles_kernel[(plan.programs,)](
+        dst, src, n, plan.tiles, plan.first, TILE=TILE, OP=op, SCOPE=scope, num_warps=WARPS
+    )
+
+
+def accumulate(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    scope: str = "sys",
+    *,
+    sender: int = 0,
+    senders: int = 1,
+    programs: int = PROGRAMS,
+) -> None:
+    """dst[:] += src (converted to fp32) with atomic adds, safe against other writers; `dst` is a
+    contiguous fp32 tensor. `sender` of `senders` picks the tile this launch starts at."""
+    _launch(ATOMIC_ADD, dst, src, scope, sender, senders, programs)
+
+
+def store(dst: torch.Tensor, src: torch.Tensor, *, sender: int = 0, senders: int = 1, programs: int = PROGRAMS) -> None:
+    """dst[:] = src (converted to dst's dtype) with plain stores: a sender filling its own slot."""
+    _launch(STORE, dst, src, "gpu", sender, senders, programs)
+
+
+def add(dst: torch.Tensor, src: torch.Tensor, *, programs: int = PROGRAMS) -> None:
+    """dst[:] += src (converted to fp32) without atomics: only for a `dst` no one else writes meanwhile
+    (an owner folding a slot into its accumulator)."""
+    _launch(ADD, dst, src, "gpu", 0, 1, programs)
 
 
 def store_release(flag: torch.Tensor, value: int) -> None:
@@ -89,7 +147,7 @@ def store_release(flag: torch.Tensor, value: int) -> None:
 
 
 def fold_slot(
-    slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, header_bytes: int, max_programs: int = 1024
+    slot: torch.Tensor, acc_table: torch.Tensor, max_numel: int, header_bytes: int, max_programs: int = PROGRAMS
 ) -> None:
     """Add a staging slot's payload into the accumulator its header names (all read on the device).
 
@@ -99,8 +157,14 @@ def fold_slot(
     """
     hdr = slot[:header_bytes].view(torch.int64)
     payload = slot[header_bytes:]
-    nprog = max(1, min(triton.cdiv(max_numel, BLOCK), max_programs))
-    rounds = triton.cdiv(max(max_numel, 1), nprog * BLOCK)
-    _fold_kernel[(nprog,)](
-        hdr, payload.view(torch.float32), payload.view(torch.bfloat16), acc_table, nprog, ROUNDS=rounds, BLOCK=BLOCK
+    plan = plan_tiles(max(max_numel, 1), max_programs=max_programs)
+    _fold_kernel[(plan.programs,)](
+        hdr,
+        payload.view(torch.float32),
+        payload.view(torch.bfloat16),
+        acc_table,
+        plan.programs,
+        ROUNDS=plan.rounds,
+        TILE=TILE,
+        num_warps=WARPS,
     )
