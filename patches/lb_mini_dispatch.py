@@ -1,36 +1,28 @@
-"""LB-Mini in verl's v1 trainer: each rank gets an LB-Mini share of every mini-batch.
+"""LB-Mini in verl's v1 trainer: under strategy=odc each rank gets an LB-Mini share of every step.
 
-Stock verl 0.9.1 (`verl/trainer/ppo/v1/trainer_base.py`): `_step_once` (582) calls
-`_balance_batch` (1608-1632), which pads the batch and reorders it into `dp` equal-count,
-workload-balanced partitions; every stage then dispatches the whole batch with
-`make_nd_compute_dataproto_dispatch_fn` (`single_controller/base/decorator.py:300`), i.e. equal
-contiguous chunks, one per rank, and `TrainingWorker.train_mini_batch` cuts each chunk into equal
-mini-batch pieces. This patch, for roles whose engine strategy is `odc` with `odc_balancer=lb_mini`:
+Stock verl 0.9.1 (`verl/trainer/ppo/v1/trainer_base.py`): `_step_once` (582) balances the batch
+(`_balance_batch`, 1608-1632: padding, then dp equal-count workload-balanced partitions in order), and
+every stage dispatches it with `make_nd_compute_dataproto_dispatch_fn` (`single_controller/base/
+decorator.py:300`): equal contiguous chunks, one per rank; `TrainingWorker.train_mini_batch` cuts a
+rank's chunk into one piece per optimizer step (`engine_workers.py:273-279`). This patch, for roles whose
+engine strategy is `odc` with `odc_balancer=lb_mini`:
 
-* `PPOTrainer._balance_batch` (trainer_base.py:1608): runs verl's own (padding, the equal-count order
-  the inference stages keep, the `global_seqlen/*` metrics), then plans each update: mini-batch i is
-  the i-th consecutive slice of the batch in the order the trainer received it (plus verl's padding
-  samples last), split over ranks with LB-Mini (`odc_plugin.verl.dispatch.plan_mini_batches`). The
-  plans are kept on the trainer; their statistics go to the step's metrics as `odc_balance/*`
-  (actor) and `odc_balance/critic/*`.
-* `PPOTrainer._update_actor` (1827) / `_update_critic` (1804): put the role's plan into the batch's
-  extra_info for the duration of the update call.
-* the forward-only passes of those roles are planned too, the whole batch as one mini-batch: the
-  actor's old log-probs, the reference log-probs (the reference model's engine, or the actor's when
-  the reference lives in it) and the critic's values. `_compute_old_log_prob` (1634),
-  `_compute_ref_log_prob` (1695) and `_compute_values` (1721) put their plan into extra_info for the
-  call; each rank computes its share, and verl writes the results back by sample key, so they land
-  in the batch's order whatever the split.
-* `_update_actor` / `_update_critic` also read the `auto` cost's fit from the metrics the engine
-  reported (`<role>/odc/fit_*`) for the next step's plans, and log it as `odc_balance/fit_*`,
+* the trainer methods of the stages, `_update_actor` (1827), `_update_critic` (1804),
+  `_compute_old_log_prob` (1634), `_compute_ref_log_prob` (1695) and `_compute_values` (1721), attach a
+  `PlanRequest` (the role's LB-Mini settings) to the batch's extra_info for the duration of the call;
+  afterwards they log the plan's statistics (`odc_balance/*` for the actor's update, `odc_balance/<stage>/*`
+  for the others, `plan_s` the seconds planning took) and, for an update, take the `auto` cost's fit from
+  the metrics the engine reported (`<role>/odc/fit_*`) for the next plans, logged as `odc_balance/fit_*`,
   `rank_speed_min|max` and the plan's `prediction_error` (its predicted time over the measured one).
 * the dispatch function of `ActorRolloutRefWorker.update_actor` (`workers/engine_workers.py:708`),
   `compute_log_prob` (700) and `compute_ref_log_prob` (693), and of `TrainingWorker.train_mini_batch`
-  (243) and `infer_batch` (397; the critic's worker group): a batch carrying a plan is split by it
-  (`split_by_plan`: each rank its samples rank-major and its per-mini-batch counts) instead of into
-  equal chunks; anything else goes to verl's dispatch unchanged.
+  (243) and `infer_batch` (397; the critic's worker group): a batch carrying a request is planned there,
+  in the driver, on exactly what verl would dispatch (`odc_plugin.verl.dispatch.split_by_plan`: verl's
+  own chunks and mini-batch iterator give the steps, LB-Mini splits each step over the ranks) and each
+  rank gets its samples and, per step, which of them it runs; anything else goes to verl's dispatch
+  unchanged.
 
-Roles on fsdp/fsdp2 (or odc with lb_micro) get no plan, so every stock run is unchanged.
+Roles on fsdp/fsdp2 (or odc with lb_micro) get no request, so every stock run is unchanged.
 """
 
 from __future__ import annotations
@@ -55,7 +47,6 @@ logger = logging.getLogger(__name__)
 TRAINER_SKIPPED: str | None = None
 
 _SIGNATURES = {
-    "_balance_batch": ["self", "batch", "metrics", "logging_prefix", "keep_minibatch"],
     "_update_actor": ["self", "batch", "metrics"],
     "_update_critic": ["self", "batch", "metrics"],
     "_compute_old_log_prob": ["self", "batch", "metrics"],
@@ -64,7 +55,6 @@ _SIGNATURES = {
 }
 # Names the stock trainer methods use; if one disappears the method was rewritten and the patch must be too.
 _TRAINER_USES = {
-    "_balance_batch": ("_dispatch_info", "_query_dispatch_info", "upsample_batch_to_divisible_size"),
     "_update_actor": ("update_actor", "extra_info"),
     "_update_critic": ("train_mini_batch", "extra_info"),
     "_compute_old_log_prob": ("compute_log_prob", "extra_info"),
@@ -79,7 +69,7 @@ _DISPATCHED = (
     ("TrainingWorker", "train_mini_batch", "train"),
     ("TrainingWorker", "infer_batch", "train"),
 )
-# The trainer methods that carry a stage's plan into their worker call: (method, stage).
+# The trainer methods that carry a stage's plan request into their worker call: (method, stage).
 _STAGES = (
     ("_update_actor", "actor"),
     ("_update_critic", "critic"),
@@ -87,6 +77,7 @@ _STAGES = (
     ("_compute_ref_log_prob", "ref_log_prob"),
     ("_compute_values", "values"),
 )
+_UPDATES = ("actor", "critic")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +86,7 @@ _STAGES = (
 
 
 def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
-    """verl's lazy nd dispatch, except that a batch carrying an LB-Mini plan is split by the plan."""
+    """verl's lazy nd dispatch, except that a batch carrying an LB-Mini request is planned and split by it."""
     from verl.single_controller.base.decorator import dispatch_nd_compute
 
     from odc_plugin.verl.dispatch import PLAN_KEY, split_by_plan
@@ -105,7 +96,7 @@ def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
         return stock_dispatch(worker_group, *args, **kwargs)
     if len(args) + len(kwargs) != 1:
         raise ValueError(
-            f"odc: an update carrying an LB-Mini plan takes exactly one batch argument, got "
+            f"odc: a call carrying an LB-Mini plan request takes exactly one batch argument, got "
             f"{len(args)} positional and {sorted(kwargs)}"
         )
     # as verl's dispatch_lazy_compute_data_proto finds the ranks of the mesh
@@ -177,18 +168,17 @@ def _stage_settings(trainer, stage: str):
         return cache[stage]
     from verl.utils.config import omega_conf_to_dataclass
 
-    from odc_plugin.verl.dispatch import lb_mini_settings
+    from odc_plugin.verl.dispatch import check_loss_aggregation, lb_mini_settings
 
     config = trainer.config
     roles = config.actor_rollout_ref
     settings = None
     if stage == "actor" and roles.actor.get("strategy") == "odc":
         actor = omega_conf_to_dataclass(roles.actor)
+        check_loss_aggregation("actor_rollout_ref.actor", actor.loss_agg_mode, actor.loss_scale_factor)
         # what ActorRolloutRefWorker.init_model gives the actor's engine (engine_workers.py:619-628)
         settings = lb_mini_settings(
             actor.engine,
-            # the global mini-batch size _update_actor puts in extra_info (trainer_base.py:1829-1830)
-            mini_batch_size=roles.actor.ppo_mini_batch_size * roles.rollout.n,
             use_dynamic_bsz=actor.use_dynamic_bsz,
             max_token_len=actor.ppo_max_token_len_per_gpu,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
@@ -196,10 +186,10 @@ def _stage_settings(trainer, stage: str):
         )
     elif stage == "critic" and config.critic.get("strategy") == "odc":
         critic = omega_conf_to_dataclass(config.critic)
+        check_loss_aggregation("critic", critic.loss_agg_mode, critic.loss_scale_factor)
         # what PPOTrainer._setup gives the critic's engine (trainer_base.py:266-268)
         settings = lb_mini_settings(
             critic.engine,
-            mini_batch_size=config.critic.ppo_mini_batch_size * roles.rollout.n,  # as _update_critic (1806-1807)
             use_dynamic_bsz=critic.engine.use_dynamic_bsz,
             max_token_len=critic.ppo_infer_max_token_len_per_gpu,
             micro_batch_size=critic.engine.micro_batch_size_per_gpu,
@@ -219,7 +209,6 @@ def _stage_settings(trainer, stage: str):
         object.__setattr__(engine, "strategy", ref.strategy)  # as verl's FSDPActorConfig does (actor.py:321-325)
         own = lb_mini_settings(
             engine,
-            mini_batch_size=1,
             use_dynamic_bsz=ref.get("log_prob_use_dynamic_bsz", False),
             max_token_len=ref.get("log_prob_max_token_len_per_gpu"),
             micro_batch_size=ref.get("log_prob_micro_batch_size_per_gpu"),
@@ -235,35 +224,6 @@ def _stage_settings(trainer, stage: str):
     return settings
 
 
-def _dp_size(worker_group, mesh: str) -> int:
-    if mesh not in worker_group._dispatch_info:
-        worker_group._dispatch_info[mesh] = worker_group._query_dispatch_info(mesh)
-    return max(worker_group._dispatch_info[mesh]) + 1
-
-
-def _stages_this_step(trainer):
-    """(stage, settings, worker group, mesh) of the LB-Mini stages this step runs."""
-    candidates = [("old_log_prob", trainer.actor_rollout_wg, "actor")]
-    if trainer.use_reference_policy:
-        candidates.append(
-            (
-                "ref_log_prob",
-                *((trainer.actor_rollout_wg, "actor") if trainer.ref_in_actor else (trainer.ref_policy_wg, "ref")),
-            )
-        )
-    if trainer.use_critic:
-        candidates += [("values", trainer.critic_wg, "train"), ("critic", trainer.critic_wg, "train")]
-    # the same condition verl's _get_required_batch_multiple pads for (trainer_base.py:1589-1606)
-    if trainer.config.trainer.critic_warmup <= trainer.global_steps:
-        candidates.append(("actor", trainer.actor_rollout_wg, "actor"))
-    stages = []
-    for stage, worker_group, mesh in candidates:
-        settings = _stage_settings(trainer, stage)
-        if settings is not None:
-            stages.append((stage, settings, worker_group, mesh))
-    return stages
-
-
 # Where a stage's plan statistics go in the step's metrics.
 _METRICS_PREFIX = {
     "actor": "odc_balance",
@@ -274,61 +234,39 @@ _METRICS_PREFIX = {
 }
 
 
-def _wrap_balance_batch(stock):
-    @functools.wraps(stock)
-    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        self._odc_lb_mini_plans = {}
-        stages = _stages_this_step(self)
-        if not stages:
-            return stock(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
-        from odc_plugin.verl.dispatch import plan_metrics, plan_payload, plan_seconds
-
-        arrival = list(batch.keys)
-        balanced = stock(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
-        # verl appends its padding samples to the batch before reordering it
-        known = set(arrival)
-        keys = arrival + [k for k in balanced.keys if k not in known]
-        tag_of = dict(zip(balanced.keys, balanced.tags))
-        seqlens = [int(tag_of[k]["seq_len"]) for k in keys]
-        for stage, settings, worker_group, mesh in stages:
-            plan = settings.plan(seqlens, _dp_size(worker_group, mesh))
-            fit = settings.current_fit
-            self._odc_lb_mini_plans[stage] = (
-                plan_payload(plan, keys),
-                fit and len(fit.speeds) == plan.dp_size and plan_seconds(plan, seqlens, fit),
-            )
-            metrics.update(plan_metrics(plan, seqlens, settings.cost, _METRICS_PREFIX[stage]))
-        return balanced
-
-    _balance_batch._odc_patched = True
-    return _balance_batch
-
-
 def _wrap_stage(stock, stage: str):
-    """The trainer method of `stage`, with the stage's plan in the batch's extra_info for the call; an
-    update then hands the metrics its engine reported to the stage's auto cost."""
+    """The trainer method of `stage`, with the stage's plan request in the batch's extra_info for the call;
+    afterwards the plan's statistics go to the step's metrics, and an update hands the metrics its engine
+    reported to the stage's auto cost."""
 
     @functools.wraps(stock)
     def _run(self, batch, metrics):
-        from odc_plugin.verl.dispatch import PLAN_KEY
+        from odc_plugin.verl.dispatch import PLAN_KEY, PlanRequest, plan_metrics, plan_seconds
 
-        payload, predicted = (getattr(self, "_odc_lb_mini_plans", None) or {}).pop(stage, (None, None))
-        if payload is None:
+        settings = _stage_settings(self, stage)
+        if settings is None:
             return stock(self, batch, metrics)
+        request = PlanRequest(settings, update=stage in _UPDATES)
         if batch.extra_info is None:
             batch.extra_info = {}
-        batch.extra_info[PLAN_KEY] = payload
+        batch.extra_info[PLAN_KEY] = request
         try:
             out = stock(self, batch, metrics)
         finally:
             batch.extra_info.pop(PLAN_KEY, None)
-        if stage in ("actor", "critic"):
-            observed = _stage_settings(self, stage).observe(metrics, stage)
+        if request.plan is None:
+            return out  # nothing was dispatched (old log-probs taken from the rollout: bypass mode)
+        prefix = _METRICS_PREFIX[stage]
+        metrics.update(plan_metrics(request.plan, request.seqlens, settings.cost, prefix))
+        metrics[f"{prefix}/plan_s"] = request.plan_s
+        if stage in _UPDATES:
+            observed = settings.observe(metrics, stage)
             measured = metrics.get(f"{stage}/odc/compute_s_max")
-            if predicted and measured:
+            if request.fit is not None and measured:
+                predicted = plan_seconds(request.plan, request.seqlens, request.fit)
                 # the plan's predicted time of its slowest rank over the slowest rank's measured compute
                 observed["prediction_error"] = sum(predicted) / len(predicted) / measured - 1
-            metrics.update({f"{_METRICS_PREFIX[stage]}/{k}": v for k, v in observed.items()})
+            metrics.update({f"{prefix}/{k}": v for k, v in observed.items()})
         return out
 
     _run._odc_patched = True
@@ -377,8 +315,6 @@ def apply() -> None:
             mode["dispatch_fn"] = functools.partial(_lb_mini_dispatch, mesh, mode["dispatch_fn"])
     if trainer is None:
         return
-    if not getattr(trainer._balance_batch, "_odc_patched", False):
-        trainer._balance_batch = _wrap_balance_batch(trainer._balance_batch)
     for method, stage in _STAGES:
         if not getattr(getattr(trainer, method), "_odc_patched", False):
             setattr(trainer, method, _wrap_stage(getattr(trainer, method), stage))

@@ -1,17 +1,23 @@
-"""`TrainingWorker.train_mini_batch` steps through uneven per-rank mini-batch shares.
+"""`TrainingWorker.train_mini_batch` runs the optimizer steps of an LB-Mini plan.
 
-verl 0.9.1 (`verl/workers/engine_workers.py:243-339`) cuts a rank's data into equal pieces of
-`mini_batch_size // dp` samples with `tu.make_iterator` (263-279), one optimizer step each. With LB-Mini
-(see `odc_plugin/verl/dispatch.py`) a rank holds a different number of samples of each mini-batch, and
-the dispatch tells it how many in the non-tensor field `odc_mini_batch_counts` (from the batch's
-extra_info). When that field is there, this patch slices the rank's data by those counts instead (with
+verl 0.9.1 (`verl/workers/engine_workers.py:243-339`) cuts a rank's data into pieces of
+`mini_batch_size // dp` samples with `tu.make_iterator` (273-279: `epochs` passes, shuffled from
+`seed + dp rank`), one optimizer step each. Under strategy=odc with LB-Mini the driver has already run
+exactly that iterator for every rank and re-split each step's samples over the ranks
+(`odc_plugin/verl/dispatch.py`); each rank receives the samples it needs and, in the non-tensor field
+`odc_mini_batch_steps` (from the batch's extra_info), the indices of those it runs in each step. When
+that field is there, this patch runs those steps instead of cutting its data itself (selecting with
 verl's own `index_select_tensor_dict`, as `make_iterator` does); the rest of a step is verl's: the
 per-sequence token counts all-gathered for MFU (292-303), the lr scheduler stepped on the last step only
-(305-310), `train_batch` per mini-batch, the profiler step, and the metrics folded over ranks and
-mini-batches as verl folds them (322-336; a metric an engine reports as one value per rank is kept as
-such instead of failing verl's flattening). `global_batch_size` stays the global mini-batch size, so the
-loss normalization is unchanged. Every rank runs the same number of optimizer steps. Without the field
+(305-310), `train_batch` per step, the profiler step, and the metrics folded over ranks and steps as
+verl folds them (322-336; a metric an engine reports as one value per rank is kept as such instead of
+failing verl's flattening). `global_batch_size` stays the global mini-batch size, so the loss
+normalization is unchanged, and every rank runs the same number of optimizer steps. Without the field
 (every stock run, and ODC runs balanced by lb_micro) the original method runs unchanged.
+
+The driver reproduces verl's iterator from what this method does with it; `apply()` checks that the
+method still forms its mini-batches that way (`_ITERATOR_RULES`), so that a verl change fails loudly here
+instead of planning other mini-batches than verl trains on.
 
 The actor reaches this through `ActorRolloutRefWorker.update_actor` (`engine_workers.py:713-715`), the
 critic through its own `TrainingWorker` worker group; both therefore train on uneven shares.
@@ -31,6 +37,16 @@ TARGET = "verl.workers.engine_workers"
 
 # Names verl's train_mini_batch uses; if they change the method was rewritten and this patch must be too.
 _ORIGINAL_USES = ("make_iterator", "train_batch", "all_gather_object", "aggregate_dp", "train_mode")
+# How verl's train_mini_batch builds its mini-batches, which odc_plugin.verl.dispatch.verl_steps reproduces
+# in the driver: the statements, whitespace aside.
+_ITERATOR_RULES = (
+    'epochs = tu.pop(data, key="epochs", default=1)',
+    'seed = tu.pop(data, key="seed", default=42)',
+    "mini_batch_size_per_gpu = batch_size_per_dp // num_mini_batch",
+    "mini_batch_size_per_gpu = mini_batch_size // self.engine.get_data_parallel_size()",
+    "dataloader = tu.make_iterator(data, mini_batch_size=mini_batch_size_per_gpu, epochs=epochs, "
+    "seed=seed + self.engine.get_data_parallel_rank(), dataloader_kwargs=dataloader_kwargs,)",
+)
 
 
 def _original(current):
@@ -58,6 +74,13 @@ def _original(current):
             f"odc patch '{NAME}': TrainingWorker.train_mini_batch no longer uses {missing}; "
             f"it was rewritten, re-check the patch"
         )
+    source = "".join(inspect.getsource(raw).split())
+    for rule in _ITERATOR_RULES:
+        if "".join(rule.split()) not in source:
+            raise PatchError(
+                f"odc patch '{NAME}': TrainingWorker.train_mini_batch no longer has {rule!r}; odc's plans "
+                f"reproduce how it forms mini-batches (odc_plugin.verl.dispatch.verl_steps)"
+            )
     return attrs, raw
 
 
@@ -97,12 +120,12 @@ def apply() -> None:
     def train_mini_batch(self, data):
         from verl.utils import tensordict_utils as tu
 
-        from odc_plugin.verl.dispatch import COUNTS_KEY
+        from odc_plugin.verl.dispatch import STEPS_KEY
 
-        counts = tu.pop(data, key=COUNTS_KEY, default=None)
-        if counts is None:
+        steps = tu.pop(data, key=STEPS_KEY, default=None)
+        if steps is None:
             return raw(self, data)
-        return _train_by_counts(self, data, [int(c) for c in counts])
+        return _train_by_steps(self, data, [[int(i) for i in step] for step in steps])
 
     patched = register(
         dispatch_mode=attrs["dispatch_mode"],  # the same dict: the dispatch patch edits it in place
@@ -114,8 +137,8 @@ def apply() -> None:
     engine_workers.TrainingWorker.train_mini_batch = patched
 
 
-def _train_by_counts(self, data, counts: list[int]):
-    """verl's train_mini_batch loop over this rank's uneven mini-batch shares (see the module docstring).
+def _train_by_steps(self, data, steps: list[list[int]]):
+    """verl's train_mini_batch loop over this rank's shares of the plan's steps (see the module docstring).
 
     Long because it follows verl's own train_mini_batch step by step, so that the two read side by side.
     """
@@ -125,29 +148,24 @@ def _train_by_counts(self, data, counts: list[int]):
     from verl.utils.metric.utils import Metric
     from verl.utils.py_functional import append_to_dict
 
-    from odc_plugin.verl.dispatch import mini_batch_schedule
-
     tu.maybe_fix_3d_position_ids(data)
     disable_auto_offload = tu.pop(data, key="disable_auto_offload", default=False)
-    tu.pop(data, key="mini_batch_size", default=None)  # global; the counts say what this rank holds
-    tu.pop(data, key="num_mini_batch", default=None)
-    epochs = tu.pop(data, key="epochs", default=1)
-    seed = tu.pop(data, key="seed", default=42)
-    dataloader_kwargs = tu.pop(data, key="dataloader_kwargs", default={}) or {}
+    # the driver ran verl's iterator with these already: the steps are its result
+    for key in ("mini_batch_size", "num_mini_batch", "epochs", "seed", "dataloader_kwargs"):
+        tu.pop(data, key=key, default=None)
 
-    if sum(counts) != data.shape[0] or min(counts, default=0) < 1:
+    used = sorted({i for step in steps for i in step})
+    if used != list(range(data.shape[0])) or min(map(len, steps), default=0) < 1:
         raise ValueError(
-            f"odc: this rank holds {data.shape[0]} samples but its mini-batch counts are {counts} "
-            f"(every mini-batch needs at least one sample on every rank)"
+            f"odc: this rank holds {data.shape[0]} samples but its steps use {len(used)} of them "
+            f"(every step needs at least one sample on every rank, every sample a step)"
         )
-    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
-    schedule = mini_batch_schedule(len(counts), epochs, seed, bool(dataloader_kwargs.get("shuffle", False)))
     group = self.engine.get_data_parallel_group()
 
     with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
         outputs = []
-        for step, i in enumerate(schedule):
-            mini_batch = tu.index_select_tensor_dict(data, list(range(bounds[i], bounds[i + 1])))
+        for step, indices in enumerate(steps):
+            mini_batch = tu.index_select_tensor_dict(data, indices)
             tu.maybe_fix_3d_position_ids(mini_batch)
             if "input_ids" in mini_batch:
                 local = mini_batch["input_ids"].offsets().diff().tolist()
@@ -159,7 +177,7 @@ def _train_by_counts(self, data, counts: list[int]):
             tu.assign_non_tensor(
                 mini_batch,
                 global_token_num=NonTensorData(global_token_num),
-                update_lr_scheduler=step == len(schedule) - 1,
+                update_lr_scheduler=step == len(steps) - 1,
                 disable_auto_offload=True,
             )
             with torch.profiler.record_function(f"mini_batch{step}"):

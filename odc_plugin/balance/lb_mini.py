@@ -34,12 +34,15 @@ def lb_mini(
     micro_batch_cost: float = 0.0,
     baseline: RankPlan | None = None,
     min_gain: float = MIN_GAIN,
+    micro_batch_size: int | None = None,
 ) -> RankPlan:
     """Per rank, micro-batches of sample indices, largest (by cost) first.
 
     Samples sharing a group id (the GRPO responses of one prompt) stay on one rank. Every micro-batch
     holds at most max_token_len tokens; ranks may get different numbers of samples and micro-batches,
-    and ranks are empty when there are fewer samples (or groups) than ranks.
+    and ranks are empty when there are fewer samples (or groups) than ranks. With `micro_batch_size`
+    (verl's fixed micro-batch size) a micro-batch holds at most that many samples instead, whatever
+    their tokens: a rank's share is cut in index order into pieces of that size, as verl's engine cuts it.
 
     What is balanced is each rank's time: its samples' cost, plus `micro_batch_cost` (in the cost's
     unit) for each micro-batch its tokens need, over its `rank_speed` (default: all 1). So a rank half
@@ -71,7 +74,14 @@ def lb_mini(
             by_group.setdefault(g, []).append(i)
         units = list(by_group.values())
     weights = [sum(costs[i] for i in unit) for unit in units]
-    clock = _RankClock(weights, [sum(lens[i] for i in unit) for unit in units], speeds, micro_batch_cost, max_token_len)
+    # What fills a micro-batch: tokens up to the budget, or samples up to the fixed micro-batch size.
+    if micro_batch_size is None:
+        sizes, capacity = [sum(lens[i] for i in unit) for unit in units], max_token_len
+    else:
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
+        sizes, capacity = [len(unit) for unit in units], micro_batch_size
+    clock = _RankClock(weights, sizes, speeds, micro_batch_cost, capacity)
     # Two starts, each refined, the better kept: differencing single units is the stronger start in general,
     # differencing sorted runs of dp_size units (what verl's equal-size partition does) the stronger when
     # there are only a few units per rank. Ranks of different speeds add a third, largest-first onto the
@@ -84,24 +94,27 @@ def lb_mini(
         shares = rank_shares(baseline)
         if len(shares) != dp_size or sorted(i for rank in shares for i in rank) != list(range(len(lens))):
             raise ValueError(f"the baseline plan must give each of the {len(lens)} samples to one of {dp_size} ranks")
-        kept = max(
-            clock.time(r, sum(costs[i] for i in rank), sum(lens[i] for i in rank)) for r, rank in enumerate(shares)
-        )
+        size_of = (lambda rank: sum(lens[i] for i in rank)) if micro_batch_size is None else len
+        kept = max(clock.time(r, sum(costs[i] for i in rank), size_of(rank)) for r, rank in enumerate(shares))
         if clock.makespan(rank_units) > kept * (1 - min_gain):
             return [[list(mb) for mb in rank] for rank in baseline]
-    return [_pack([i for u in unit_ids for i in units[u]], lens, costs, max_token_len) for unit_ids in rank_units]
+    shares = [[i for u in unit_ids for i in units[u]] for unit_ids in rank_units]
+    if micro_batch_size is not None:
+        return [_chunk(sorted(share), micro_batch_size) for share in shares]
+    return [_pack(share, lens, costs, max_token_len) for share in shares]
 
 
 class _RankClock:
     """How long a rank takes for a set of units: their weight plus a micro-batch cost per micro-batch its
-    tokens need at least, over its speed."""
+    units need at least (their `tokens`, tokens or samples, over a micro-batch's `capacity`), over its
+    speed."""
 
-    def __init__(self, weights, tokens, speeds, micro_batch_cost, max_token_len):
+    def __init__(self, weights, tokens, speeds, micro_batch_cost, capacity):
         self.weights, self.tokens, self.speeds = weights, tokens, speeds
-        self.micro_batch_cost, self.max_token_len = micro_batch_cost, max_token_len
+        self.micro_batch_cost, self.capacity = micro_batch_cost, capacity
 
     def time(self, rank: int, weight: float, tokens: int) -> float:
-        micro_batches = -(-tokens // self.max_token_len) if tokens else 0
+        micro_batches = -(-tokens // self.capacity) if tokens else 0
         return (weight + self.micro_batch_cost * micro_batches) / self.speeds[rank]
 
     def time_of(self, rank: int, units) -> float:
@@ -266,6 +279,11 @@ def _subsets(units: list[int], weights: list[float], max_size: int) -> list[tupl
         ]
         subsets += [(w, combo) for w, combo, _ in level]
     return subsets
+
+
+def _chunk(samples: list[int], size: int) -> list[list[int]]:
+    """Consecutive pieces of at most `size` samples: how verl's engine cuts a share for a fixed micro-batch size."""
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
 def _pack(samples: list[int], lens: list[int], costs: list[float], max_token_len: int) -> list[list[int]]:

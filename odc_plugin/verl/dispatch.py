@@ -1,176 +1,191 @@
-"""LB-Mini dispatch: how one rollout batch becomes every rank's share of every mini-batch.
+"""LB-Mini dispatch: how one batch becomes every rank's share of every optimizer step.
 
-verl's v1 trainer gives each data-parallel rank the same number of samples and each rank cuts its share
-into `mini_batch_size // dp` pieces, one per optimizer step. With `strategy=odc` ranks only meet at the
-end of a mini-batch, so a mini-batch can be split by work instead of by count:
+Stock verl (the v1 trainer, `strategy=fsdp2`) dispatches a batch to the data-parallel ranks as equal
+contiguous chunks, in the order `_balance_batch` gave it, and each rank's `train_mini_batch` cuts its
+chunk into one piece per optimizer step with verl's `make_iterator`: `mini_batch_size // dp` samples a
+piece, `epochs` passes, reshuffled every epoch from `seed + dp rank` when `shuffle` is on. The samples
+optimizer step s trains on are the union of the ranks' pieces for step s.
 
-1. mini-batch membership is decided first, as consecutive slices of the batch in the order the trainer
-   received it (verl pads that batch to a multiple of the mini-batch size);
-2. each mini-batch is split over ranks with LB-Mini (`odc_plugin.balance.lb_mini`); counts may differ,
-   but every rank gets at least one sample of every mini-batch;
-3. each rank receives its samples rank-major (its share of mini-batch 0, then of mini-batch 1, ...)
-   together with its count per mini-batch, and runs one optimizer step per mini-batch.
+Under `strategy=odc` ranks only meet at the end of a mini-batch, so for each call the dispatch
+1. computes exactly those steps, with verl's own chunking and `make_iterator` run on the batch's
+   positions and the `extra_info` the trainer set for the call (`verl_steps`): every optimizer step
+   trains on the samples it trains on under fsdp2, in the same order of steps;
+2. splits each step's samples over the ranks with LB-Mini (`odc_plugin.balance.lb_mini`), which keeps
+   verl's own pieces unless its split is predicted to be really faster; counts may then differ, and
+   every rank keeps at least one sample of every step;
+3. sends each rank the samples it needs, each once, and for every step the indices of those it trains
+   on (`STEPS_KEY`).
+A forward-only pass (old log-probs, reference log-probs, values) is one step over the whole batch; each
+rank computes its share and verl writes the results back by sample key.
 
-This module is the pure part (plans, the split of a batch's metadata, the metrics, the step order); the
+This module is the pure part (the steps, the plans, the split of a batch's metadata, the metrics); the
 verl patches that use it are `patches/lb_mini_dispatch.py` (trainer and dispatch) and
 `patches/lb_mini_worker.py` (`TrainingWorker.train_mini_batch`).
 """
 
 from __future__ import annotations
 
-import math
 import numbers
-import random
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb_mini, verl_rank_partition
+from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb_mini
 from odc_plugin.balance.lb_mini import MIN_GAIN
 from odc_plugin.balance.online_fit import TimeFit
 
-# extra_info entry the trainer sets on the batch of one update call; only the dispatch reads it.
-PLAN_KEY = "odc_lb_mini_plan"
-# extra_info entry each rank receives instead: its number of samples in each mini-batch, in order.
-COUNTS_KEY = "odc_mini_batch_counts"
+# extra_info entry the trainer sets on the batch of one call (a PlanRequest); only the dispatch reads it.
+PLAN_KEY = "odc_lb_mini_request"
+# extra_info entry each rank receives instead: for every optimizer step, the indices of its samples it
+# trains on in that step.
+STEPS_KEY = "odc_mini_batch_steps"
+
+# steps[s][r]: the batch positions rank r runs in step s.
+Steps = list[list[list[int]]]
+
+
+def verl_steps(meta, dp_size: int, update: bool) -> Steps:
+    """The steps stock verl runs on the batch `meta` (a KVBatchMeta) dispatched over `dp_size` ranks.
+
+    The ranks' chunks are `meta.chunk(dp_size)`: what verl's dispatch hands each rank (it turns the
+    KVBatchMeta into a BatchMeta, whose chunk follows the same contiguous rule). An update then cuts each
+    chunk with verl's `make_iterator`, called as `TrainingWorker.train_mini_batch` calls it, with the
+    `mini_batch_size` (or `num_mini_batch`), `epochs`, `seed` and `dataloader_kwargs` of the batch's
+    extra_info (patches/lb_mini_worker.py checks that verl still calls it so). A forward-only pass is one
+    step: the chunks themselves.
+    """
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    position = {key: p for p, key in enumerate(meta.keys)}
+    chunks = [[position[key] for key in chunk.keys] for chunk in meta.chunk(dp_size)]
+    if not update:
+        return [chunks]
+    extra = meta.extra_info or {}
+    mini_batch_size, num_mini_batch = extra.get("mini_batch_size"), extra.get("num_mini_batch")
+    if mini_batch_size is None and num_mini_batch is None:
+        raise ValueError("odc: an update's extra_info gives neither mini_batch_size nor num_mini_batch")
+    if mini_batch_size is not None and mini_batch_size % dp_size:
+        raise ValueError(f"odc: mini_batch_size={mini_batch_size} does not divide over {dp_size} ranks")
+    per_rank = mini_batch_size // dp_size if mini_batch_size is not None else len(chunks[0]) // num_mini_batch
+    pieces = []
+    for rank, chunk in enumerate(chunks):
+        positions = TensorDict({"position": torch.tensor(chunk, dtype=torch.long)}, batch_size=[len(chunk)])
+        iterator = tu.make_iterator(
+            positions,
+            mini_batch_size=per_rank,
+            epochs=extra.get("epochs", 1),
+            seed=extra.get("seed", 42) + rank,
+            dataloader_kwargs=extra.get("dataloader_kwargs") or {},
+        )
+        pieces.append([piece["position"].tolist() for piece in iterator])
+    return [list(step) for step in zip(*pieces)]
 
 
 @dataclass(frozen=True)
-class MiniBatchPlan:
-    """Where every sample of a batch goes.
+class StepPlan:
+    """Where every sample goes in every step of one call.
 
-    order: batch positions, rank-major: rank 0's samples of mini-batch 0, then of mini-batch 1, ...,
-        then rank 1's; within one rank and mini-batch in batch order.
-    counts: counts[r][i] = samples of mini-batch i on rank r (every entry >= 1).
-    micro_batches: micro_batches[r][i] = micro-batches LB-Mini's packing predicts for that share under
-        the token budget (or the fixed micro-batch size); the engine packs its own, so this is an estimate.
+    steps[s][r]: batch positions rank r runs in step s (each step's positions once over its ranks);
+    micro_batches[s][r]: the micro-batches LB-Mini's packing predicts for that share (the engine packs its
+        own, so this is an estimate).
     """
 
-    mini_batch_size: int
-    order: tuple[int, ...]
-    counts: tuple[tuple[int, ...], ...]
+    steps: tuple[tuple[tuple[int, ...], ...], ...]
     micro_batches: tuple[tuple[int, ...], ...]
 
     @property
     def dp_size(self) -> int:
-        return len(self.counts)
+        return len(self.steps[0])
 
     @property
-    def num_mini_batches(self) -> int:
-        return len(self.counts[0])
+    def num_steps(self) -> int:
+        return len(self.steps)
 
     def rank_positions(self, rank: int) -> list[int]:
-        """Batch positions of one rank, in the order it receives them."""
-        start = sum(sum(c) for c in self.counts[:rank])
-        return list(self.order[start : start + sum(self.counts[rank])])
+        """The batch positions rank `rank` needs, each once, in the order it first runs them."""
+        return list(dict.fromkeys(p for step in self.steps for p in step[rank]))
 
-    def shares(self) -> list[list[list[int]]]:
-        """shares[i][r]: batch positions of mini-batch i on rank r."""
-        out = [[[] for _ in range(self.dp_size)] for _ in range(self.num_mini_batches)]
-        for r in range(self.dp_size):
-            positions = iter(self.rank_positions(r))
-            for i, n in enumerate(self.counts[r]):
-                out[i][r] = [next(positions) for _ in range(n)]
-        return out
+    def rank_steps(self, rank: int) -> list[list[int]]:
+        """For every step, the indices into `rank_positions(rank)` of the samples the rank runs in it."""
+        index = {p: i for i, p in enumerate(self.rank_positions(rank))}
+        return [[index[p] for p in step[rank]] for step in self.steps]
 
 
-def plan_mini_batches(
+def plan_steps(
     seqlens: Sequence[int],
-    mini_batch_size: int,
-    dp_size: int,
-    max_token_len: int | None,
-    cost: str | CostModel = "tokens",
+    stock: Steps,
     *,
+    max_token_len: int | None,
     micro_batch_size: int | None = None,
-    group_ids: Sequence[Hashable] | None = None,
+    cost: str | CostModel = "tokens",
     rank_speed: Sequence[float] | None = None,
     micro_batch_cost: float = 0.0,
     min_gain: float = MIN_GAIN,
-) -> MiniBatchPlan:
-    """Split every mini-batch of a batch over `dp_size` ranks with LB-Mini.
+) -> StepPlan:
+    """Split the samples of each of verl's steps (`stock`, as `verl_steps` gives them) over its ranks with
+    LB-Mini; verl's own pieces are the baseline LB-Mini keeps unless its split is predicted at least
+    `min_gain` faster.
 
-    Mini-batch i is positions [i * mini_batch_size, (i + 1) * mini_batch_size) of the batch. With dynamic
-    batch sizes `max_token_len` is the per-micro-batch token budget (a sample longer than it is an error,
-    as in verl); with a fixed micro-batch size pass `max_token_len=None, micro_batch_size=n`. `group_ids`
-    keeps samples of one group on one rank (verl 0.9.1 does not need it: GRPO advantages are computed on
-    the driver), except where that would leave a rank empty. `rank_speed` and `micro_batch_cost` go to
-    LB-Mini (the `auto` cost's fit), and so does `min_gain`, the smallest predicted gain for which LB-Mini
-    leaves verl's equal split (see lb_mini).
+    With dynamic batch sizes `max_token_len` is the per-micro-batch token budget (a sample longer than it
+    is an error, as in verl); with a fixed micro-batch size pass `max_token_len=None, micro_batch_size=n`.
+    `rank_speed` and `micro_batch_cost` go to LB-Mini (the `auto` cost's fit).
 
     Long because it checks verl's constraints one by one, each with its own message, before planning.
     """
     lens = [int(s) for s in seqlens]
-    _check_int("mini_batch_size", mini_batch_size)
-    _check_int("dp_size", dp_size)
-    if not lens:
-        raise ValueError("cannot plan an empty batch")
-    if len(lens) % mini_batch_size:
-        raise ValueError(
-            f"{len(lens)} samples do not make whole mini-batches of {mini_batch_size}; verl pads the batch to a "
-            f"multiple of the mini-batch size, so the batch reaching the plan must be one"
-        )
-    if mini_batch_size < dp_size:
-        raise ValueError(
-            f"a mini-batch of {mini_batch_size} samples cannot give each of {dp_size} data-parallel ranks a sample; "
-            f"raise ppo_mini_batch_size * rollout.n to at least {dp_size}"
-        )
-    if group_ids is not None and len(group_ids) != len(lens):
-        raise ValueError(f"group_ids has {len(group_ids)} entries for {len(lens)} samples")
+    if not stock or not stock[0]:
+        raise ValueError("cannot plan a call without steps or ranks")
+    dp_size = len(stock[0])
     if micro_batch_size is None:
         if max_token_len is None:
             raise ValueError("give max_token_len (dynamic batch size) or micro_batch_size (fixed micro-batch size)")
         _check_int("max_token_len", max_token_len)
-        budget = max_token_len
-        too_long = [i for i, s in enumerate(lens) if s > budget]
+        too_long = [p for p, s in enumerate(lens) if s > max_token_len]
         if too_long:
             raise ValueError(
                 f"sample {too_long[0]} has {lens[too_long[0]]} tokens, more than the per-micro-batch budget "
-                f"max_token_len={budget} (ppo_max_token_len_per_gpu must hold the longest sequence)"
+                f"max_token_len={max_token_len} (ppo_max_token_len_per_gpu must hold the longest sequence)"
             )
     else:
         _check_int("micro_batch_size", micro_batch_size)
-        budget = max(max(lens), 1)  # packing is by count then; no sample may fail the budget
     cost_model = get_cost_model(cost)
-    costs = cost_model.costs(lens)
-
-    order: list[list[int]] = [[] for _ in range(dp_size)]
-    counts: list[list[int]] = [[] for _ in range(dp_size)]
-    micro: list[list[int]] = [[] for _ in range(dp_size)]
-    for start in range(0, len(lens), mini_batch_size):
-        local_lens = lens[start : start + mini_batch_size]
-        local_groups = None if group_ids is None else list(group_ids[start : start + mini_batch_size])
-        # verl's own equal-count split of this mini-batch (LB-Micro) stays unless LB-Mini predicts a real gain
-        equal = (
-            [[share] for share in verl_rank_partition(local_lens, dp_size)]
-            if local_groups is None and mini_batch_size % dp_size == 0
-            else None
-        )
+    steps, micro = [], []
+    for stock_step in stock:
+        if len(stock_step) != dp_size or any(not piece for piece in stock_step):
+            raise ValueError(
+                f"a step of {sum(map(len, stock_step))} samples leaves one of {dp_size} data-parallel ranks "
+                f"without a sample; raise ppo_mini_batch_size * rollout.n to at least {dp_size}"
+            )
+        members = [p for piece in stock_step for p in piece]
+        step_lens = [lens[p] for p in members]
+        budget = max_token_len if micro_batch_size is None else max(max(step_lens), 1)
+        baseline, start = [], 0
+        for piece in stock_step:
+            baseline.append([list(range(start, start + len(piece)))])
+            start += len(piece)
         ranks = lb_mini(
-            local_lens,
+            step_lens,
             dp_size,
             budget,
             cost=cost_model,
-            group_ids=local_groups,
             rank_speed=rank_speed,
             micro_batch_cost=micro_batch_cost,
-            baseline=equal,
+            baseline=baseline,
             min_gain=min_gain,
+            micro_batch_size=micro_batch_size,
         )
+        # in verl's order within the step: a kept baseline is then verl's own piece, sample for sample
         shares = [sorted(i for mb in rank for i in mb) for rank in ranks]
-        _fill_empty_ranks(shares, costs[start : start + mini_batch_size])
-        for r, share in enumerate(shares):
-            order[r].extend(start + i for i in share)
-            counts[r].append(len(share))
-            if micro_batch_size is None:
-                micro[r].append(len(lb_mini([local_lens[i] for i in share], 1, budget, cost=cost_model)[0]))
-            else:
-                micro[r].append(math.ceil(len(share) / micro_batch_size))
-    return MiniBatchPlan(
-        mini_batch_size=mini_batch_size,
-        order=tuple(p for rank in order for p in rank),
-        counts=tuple(tuple(c) for c in counts),
-        micro_batches=tuple(tuple(m) for m in micro),
-    )
+        _fill_empty_ranks(shares, cost_model.costs(step_lens))
+        steps.append(tuple(tuple(members[i] for i in share) for share in shares))
+        if micro_batch_size is None:
+            micro.append(tuple(len(lb_mini([step_lens[i] for i in s], 1, budget, cost=cost_model)[0]) for s in shares))
+        else:
+            micro.append(tuple(-(-len(s) // micro_batch_size) for s in shares))
+    return StepPlan(steps=tuple(steps), micro_batches=tuple(micro))
 
 
 def _fill_empty_ranks(shares: list[list[int]], costs: Sequence[float]) -> None:
@@ -191,79 +206,21 @@ def _fill_empty_ranks(shares: list[list[int]], costs: Sequence[float]) -> None:
         shares[empty[0]].append(sample)
 
 
-def plan_payload(plan: MiniBatchPlan, keys: Sequence[str]) -> dict[str, Any]:
-    """The plan as the dispatch needs it, by sample key (`keys[p]` is the key at batch position p)."""
-    if len(keys) != len(plan.order):
-        raise ValueError(f"plan covers {len(plan.order)} samples, the batch has {len(keys)}")
-    return {
-        "mini_batch_size": plan.mini_batch_size,
-        "keys": [[keys[p] for p in plan.rank_positions(r)] for r in range(plan.dp_size)],
-        "counts": [list(c) for c in plan.counts],
-    }
-
-
-def split_by_plan(meta, dp_size: int) -> list:
-    """One piece of a KVBatchMeta per data-parallel rank, as the batch's plan (extra_info[PLAN_KEY]) says.
-
-    Each piece holds that rank's samples rank-major and the batch's extra_info without the plan, plus
-    COUNTS_KEY: the rank's sample count per mini-batch. Raises if the plan does not cover the batch
-    exactly or disagrees with the mini-batch size the trainer set for this update.
-    """
-    extra = dict(meta.extra_info or {})
-    payload = extra.pop(PLAN_KEY)
-    rank_keys, counts = payload["keys"], payload["counts"]
-    if len(rank_keys) != dp_size or len(counts) != dp_size:
-        raise ValueError(f"the LB-Mini plan is for {len(rank_keys)} ranks, the worker group has {dp_size}")
-    flat = [k for keys in rank_keys for k in keys]
-    if len(flat) != len(meta.keys) or set(flat) != set(meta.keys):
-        raise ValueError(
-            f"the LB-Mini plan covers {len(flat)} samples that are not the batch's {len(meta.keys)}: "
-            f"the batch changed between _balance_batch and the update"
-        )
-    num_mini = {len(c) for c in counts}
-    if len(num_mini) != 1:
-        raise ValueError(f"ranks would run different numbers of mini-batches: {sorted(num_mini)}")
-    mini_batch_size = payload["mini_batch_size"]
-    if extra.get("mini_batch_size", mini_batch_size) != mini_batch_size:
-        raise ValueError(
-            f"the LB-Mini plan was made for mini-batches of {mini_batch_size} samples, the update asks for "
-            f"{extra['mini_batch_size']}"
-        )
-    for i in range(num_mini.pop()):
-        if sum(c[i] for c in counts) != mini_batch_size:
-            raise ValueError(f"mini-batch {i} of the LB-Mini plan does not hold {mini_batch_size} samples")
-    for r, (keys, c) in enumerate(zip(rank_keys, counts)):
-        if sum(c) != len(keys) or min(c) < 1:
-            raise ValueError(f"rank {r}: counts {c} do not fit its {len(keys)} samples or leave a mini-batch empty")
-
-    tag_of = dict(zip(meta.keys, meta.tags))
-    return [
-        type(meta)(
-            keys=list(keys),
-            tags=[tag_of[k] for k in keys],
-            partition_id=meta.partition_id,
-            fields=meta.fields,
-            extra_info={**extra, COUNTS_KEY: list(c)},
-        )
-        for keys, c in zip(rank_keys, counts)
-    ]
-
-
-def plan_metrics(plan: MiniBatchPlan, seqlens: Sequence[int], cost: str | CostModel, prefix: str) -> dict[str, float]:
+def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, prefix: str) -> dict[str, float]:
     """Balance statistics of a plan, in the spirit of verl's `global_seqlen/*`.
 
-    {prefix}/min, /max, /minmax_diff, /mean: tokens per rank over the whole batch (all mini-batches);
-    {prefix}/efficiency, /efficiency_min: per mini-batch, the lower bound on the busiest rank's cost over
-        its actual cost (1 = no split could do better), the mean and the worst over mini-batches;
-    {prefix}/samples_min, /samples_max: samples of one rank in one mini-batch;
-    {prefix}/micro_batches_min, /micro_batches_max: predicted micro-batches of one rank in one mini-batch;
-    {prefix}/mini_batches: optimizer steps per update.
+    {prefix}/min, /max, /minmax_diff, /mean: tokens each rank runs over the whole call (all steps);
+    {prefix}/efficiency, /efficiency_min: per step, the lower bound on the busiest rank's cost over its
+        actual cost (1 = no split could do better), the mean and the worst over steps;
+    {prefix}/samples_min, /samples_max: samples of one rank in one step;
+    {prefix}/micro_batches_min, /micro_batches_max: predicted micro-batches of one rank in one step;
+    {prefix}/mini_batches: optimizer steps of the call.
     """
     costs = get_cost_model(cost).costs([int(s) for s in seqlens])
-    tokens = [sum(seqlens[p] for p in plan.rank_positions(r)) for r in range(plan.dp_size)]
-    efficiency = [balance_efficiency([[costs[p] for p in share] for share in mb]) for mb in plan.shares()]
-    counts = [c for rank in plan.counts for c in rank]
-    micro = [m for rank in plan.micro_batches for m in rank]
+    tokens = [sum(seqlens[p] for step in plan.steps for p in step[r]) for r in range(plan.dp_size)]
+    efficiency = [balance_efficiency([[costs[p] for p in share] for share in step]) for step in plan.steps]
+    counts = [len(share) for step in plan.steps for share in step]
+    micro = [m for step in plan.micro_batches for m in step]
     return {
         f"{prefix}/min": float(min(tokens)),
         f"{prefix}/max": float(max(tokens)),
@@ -275,16 +232,26 @@ def plan_metrics(plan: MiniBatchPlan, seqlens: Sequence[int], cost: str | CostMo
         f"{prefix}/samples_max": float(max(counts)),
         f"{prefix}/micro_batches_min": float(min(micro)),
         f"{prefix}/micro_batches_max": float(max(micro)),
-        f"{prefix}/mini_batches": float(plan.num_mini_batches),
+        f"{prefix}/mini_batches": float(plan.num_steps),
     }
+
+
+def plan_seconds(plan: StepPlan, seqlens: Sequence[int], fit: TimeFit) -> list[float]:
+    """Per step, the fit's time of its slowest rank: what LB-Mini expected the plan to take."""
+    costs = fit.costs([int(s) for s in seqlens])
+    return [
+        max(
+            (sum(costs[p] for p in share) + fit.c * plan.micro_batches[s][r]) / fit.speeds[r]
+            for r, share in enumerate(step)
+        )
+        for s, step in enumerate(plan.steps)
+    ]
 
 
 @dataclass
 class LBMiniSettings:
-    """What the trainer needs to plan one role's passes: the updates' mini-batches, or a forward-only pass
-    (`mini_batch_size` None: the whole batch is one mini-batch, split over ranks as one)."""
+    """What the trainer needs to plan one role's calls: its cost, its micro-batching, its fit."""
 
-    mini_batch_size: int | None
     cost: CostModel  # with `auto`: the prior, until the engine has reported a fit
     max_token_len: int | None  # the per-GPU token budget (dynamic batch size), as the role's config gives it
     micro_batch_size: int | None  # the engine's fixed micro-batch size (no dynamic batch size)
@@ -299,27 +266,26 @@ class LBMiniSettings:
     def current_fit(self) -> TimeFit | None:
         return self.fit_from.current_fit if self.fit_from is not None else self.fit
 
-    def plan(self, seqlens: Sequence[int], dp_size: int) -> MiniBatchPlan:
+    def plan(self, seqlens: Sequence[int], stock: Steps) -> tuple[StepPlan, TimeFit | None]:
+        """The plan of one call, and the fit it was made with (None: the static cost)."""
         fit = self.current_fit
-        if fit is not None and len(fit.speeds) != dp_size:
+        if fit is not None and len(fit.speeds) != len(stock[0]):
             fit = None  # fitted on another mesh (a forward-only pass on fewer ranks)
-        return plan_mini_batches(
+        plan = plan_steps(
             seqlens,
-            self.mini_batch_size or len(seqlens),
-            dp_size,
-            self.max_token_len * self.sp_size if self.max_token_len else None,
-            fit or self.cost,
+            stock,
+            max_token_len=self.max_token_len * self.sp_size if self.max_token_len else None,
             micro_batch_size=self.micro_batch_size,
+            cost=fit or self.cost,
             rank_speed=fit.speeds if fit else None,
             micro_batch_cost=fit.c if fit else 0.0,
             min_gain=fit.min_gain if fit else MIN_GAIN,
         )
+        return plan, fit
 
     def for_inference(self, max_token_len: int | None, micro_batch_size: int | None) -> LBMiniSettings:
-        """A forward-only pass of the same role: the whole batch at once, planned with this fit."""
-        return LBMiniSettings(
-            None, self.cost, max_token_len, micro_batch_size, self.auto, fit_from=self, sp_size=self.sp_size
-        )
+        """A forward-only pass of the same role, planned with this fit."""
+        return LBMiniSettings(self.cost, max_token_len, micro_batch_size, self.auto, self.sp_size, fit_from=self)
 
     def observe(self, metrics: dict, role: str) -> dict[str, float]:
         """Take the auto fit the role's engine reported in the update's metrics (`<role>/odc/fit_*`,
@@ -347,28 +313,70 @@ class LBMiniSettings:
         }
 
 
-def plan_seconds(plan: MiniBatchPlan, seqlens: Sequence[int], fit: TimeFit) -> list[float]:
-    """Per mini-batch, the fit's time of its slowest rank: what LB-Mini expected the plan to take."""
-    costs = fit.costs([int(s) for s in seqlens])
-    return [
-        max(
-            (sum(costs[p] for p in share) + fit.c * plan.micro_batches[r][i]) / fit.speeds[r]
-            for r, share in enumerate(mini_batch)
+@dataclass
+class PlanRequest:
+    """What the trainer attaches to the batch of one call (extra_info[PLAN_KEY]): the role's settings and
+    whether the call is an update. The dispatch (in the trainer's process) plans with it and leaves the
+    plan here, for the trainer's metrics."""
+
+    settings: LBMiniSettings
+    update: bool
+    plan: StepPlan | None = None
+    seqlens: list[int] = field(default_factory=list)
+    fit: TimeFit | None = None  # the fit the plan was made with
+    plan_s: float = 0.0  # seconds spent finding verl's steps and planning them
+
+
+def split_by_plan(meta, dp_size: int) -> list:
+    """One piece of the KVBatchMeta `meta` per data-parallel rank, planned with the PlanRequest in its
+    extra_info: the rank's samples (each once, in the order it first runs them) and the batch's
+    extra_info without the request, plus STEPS_KEY (per step, the indices of the samples it runs)."""
+    extra = dict(meta.extra_info or {})
+    request: PlanRequest = extra.pop(PLAN_KEY)
+    start = time.perf_counter()
+    request.seqlens = [int(tag["seq_len"]) for tag in meta.tags]
+    request.plan, request.fit = request.settings.plan(request.seqlens, verl_steps(meta, dp_size, request.update))
+    request.plan_s = time.perf_counter() - start
+    plan = request.plan
+    pieces = []
+    for rank in range(dp_size):
+        positions = plan.rank_positions(rank)
+        pieces.append(
+            type(meta)(
+                keys=[meta.keys[p] for p in positions],
+                tags=[meta.tags[p] for p in positions],
+                partition_id=meta.partition_id,
+                fields=meta.fields,
+                extra_info={**extra, STEPS_KEY: plan.rank_steps(rank)},
+            )
         )
-        for i, mini_batch in enumerate(plan.shares())
-    ]
+    return pieces
+
+
+def check_loss_aggregation(role: str, loss_agg_mode: str, loss_scale_factor: int | None) -> None:
+    """Refuse the one loss whose value depends on how a rank cuts its share into micro-batches.
+
+    verl normalizes every loss by the whole mini-batch, except `seq-mean-token-sum-norm` without a
+    `loss_scale_factor`, which divides each micro-batch's loss by that micro-batch's padded length. Under
+    `strategy=odc` ranks hold other samples and pack other micro-batches than under fsdp2, so that loss,
+    and the training, would differ."""
+    if loss_agg_mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
+        raise ValueError(
+            f"odc: {role}.loss_agg_mode=seq-mean-token-sum-norm without {role}.loss_scale_factor divides each "
+            f"micro-batch's loss by its own padded length, which differs under strategy=odc; set "
+            f"{role}.loss_scale_factor (e.g. to data.max_response_length)"
+        )
 
 
 def lb_mini_settings(
     engine_config,
     *,
-    mini_batch_size: int,
     use_dynamic_bsz: bool,
     max_token_len: int | None,
     micro_batch_size: int | None,
     model_config: Any | Callable[[], Any] = None,
 ) -> LBMiniSettings | None:
-    """LB-Mini settings of a role, or None when its updates keep verl's equal split.
+    """LB-Mini settings of a role, or None when its calls keep verl's equal split.
 
     A role uses LB-Mini when its engine config's strategy is `odc` and its `odc_balancer` is `lb_mini`
     (a plain FSDPEngineConfig carrying strategy odc gets ODC's defaults, see `as_odc_config`). The cost
@@ -396,27 +404,10 @@ def lb_mini_settings(
     if use_dynamic_bsz:
         if max_token_len is None:
             raise ValueError("use_dynamic_bsz needs ppo_max_token_len_per_gpu")
-        return LBMiniSettings(int(mini_batch_size), cost, int(max_token_len), None, auto, sp_size=sp_size)
+        return LBMiniSettings(cost, int(max_token_len), None, auto, sp_size=sp_size)
     if micro_batch_size is None:
         raise ValueError("without use_dynamic_bsz the engine needs ppo_micro_batch_size_per_gpu")
-    return LBMiniSettings(int(mini_batch_size), cost, None, int(micro_batch_size), auto, sp_size=sp_size)
-
-
-def mini_batch_schedule(num_mini_batches: int, epochs: int, seed: int, shuffle: bool) -> list[int]:
-    """The mini-batches one update runs, in order: every mini-batch once per epoch.
-
-    With shuffle the order of the mini-batches changes from epoch to epoch (the same order on every
-    rank, since all ranks must step through the same global mini-batch); which samples form a
-    mini-batch never changes, unlike verl's per-rank shuffle, which would break the plan's balance.
-    """
-    _check_int("epochs", epochs)
-    steps = []
-    for epoch in range(epochs):
-        ids = list(range(num_mini_batches))
-        if shuffle:
-            random.Random(f"{seed}:{epoch}").shuffle(ids)
-        steps.extend(ids)
-    return steps
+    return LBMiniSettings(cost, None, int(micro_batch_size), auto, sp_size=sp_size)
 
 
 def _check_int(name: str, value) -> None:

@@ -6,9 +6,11 @@ log-prob / value inference alike):
 
 - the global token count for loss normalization is still summed over ranks, once, before the mini-batch;
 - each rank packs its own micro-batches with no cross-rank agreement on their number
-  (verl's `same_micro_num_in_dp=True` is exactly the lockstep ODC removes);
+  (verl's `same_micro_num_in_dp=True` is exactly the lockstep ODC removes); with a fixed micro-batch
+  size, a share that does not divide by it ends in a smaller micro-batch (verl asserts that it divides);
 - the micro-batches run between ODC's begin() and end(), so no collective runs inside;
-- per-micro-batch metrics are folded to one value per rank, since ranks now run different counts;
+- per-micro-batch metrics are folded to one value per rank, since ranks now run different counts, so
+  that verl's aggregation over ranks gives what it gives under fsdp2 (`_fold_metrics_over_ranks`);
 - with `odc_cost_model=auto` every rank times its micro-batches, the ranks share the timings after the
   mini-batch, and each keeps the same online fit (odc_plugin.balance.online_fit), reported as
   `odc/fit_*` and `odc/rank_speed_<r>` metrics, from which the trainer plans the next mini-batches;
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
-from verl.utils.metric import Metric
+from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
@@ -45,7 +47,7 @@ from ..comm import make_transport
 from ..fsdp import ODCConfig, apply_odc, shard_group
 from ..moe import ExpertRouting, routing_metrics
 from .config import as_odc_config
-from .dispatch import COUNTS_KEY
+from .dispatch import STEPS_KEY
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # verl's own modules' convention
@@ -98,7 +100,7 @@ class _ODCEngineMixin:
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
-        tu.pop(data, key=COUNTS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan
+        tu.pop(data, key=STEPS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan: one step, all
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
         # The one collective of a mini-batch, before it starts: the loss divides by the token count of
@@ -107,7 +109,7 @@ class _ODCEngineMixin:
         dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
 
-        micro_batches, indices = prepare_micro_batches(data=data, same_micro_num_in_dp=False)
+        micro_batches, indices = self._micro_batches(data)
         scaler = getattr(self, "scaler", None)
         outputs = []
         clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
@@ -134,13 +136,58 @@ class _ODCEngineMixin:
         stats = self.odc.last_stats
 
         output = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
-        _one_value_per_rank(output["metrics"])
+        self._fold_metrics_over_ranks(output["metrics"])
         output["metrics"].update(self._odc_metrics(stats, len(micro_batches)))
         if clock.timed:
             output["metrics"].update(self._refit(clock.seconds()))
         if self.expert_routing is not None and not forward_only:
             output["metrics"].update(self._routing_metrics())
         return output
+
+    def _micro_batches(self, data):
+        """This rank's micro-batches, packed without agreeing on their number with the other ranks.
+
+        With a fixed micro-batch size the share is cut in order into pieces of that size and a smaller
+        last one: under LB-Mini a rank's share need not divide by it, which verl's own preparation asserts.
+        Every loss verl normalizes by the whole mini-batch (`batch_num_tokens`, `global_batch_size`, `dp_size`),
+        so how a share is cut changes nothing but the float rounding of the sums; the one exception, a
+        `seq-mean-token-sum-norm` loss without `loss_scale_factor`, which divides by each micro-batch's padded
+        width, is refused when the trainer plans (patches/lb_mini_dispatch.py).
+        """
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            return prepare_micro_batches(data=data, same_micro_num_in_dp=False)
+        group = tu.get_non_tensor_data(data=data, key="force_group_size", default=1)
+        if len(data) % group:
+            raise ValueError(
+                f"odc: this rank's {len(data)} samples do not make whole groups of force_group_size={group}"
+            )
+        size = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None) * group
+        pieces = [list(range(i, min(i + size, len(data)))) for i in range(0, len(data), size)]
+        return [tu.index_select_tensor_dict(data, piece) for piece in pieces], None
+
+    def _fold_metrics_over_ranks(self, metrics: dict) -> None:
+        """Fold each Metric of this mini-batch to one value per rank such that verl's aggregation over ranks
+        (`Metric.aggregate_dp`, which needs as many values on every rank and weighs each position alike) gives
+        what it gives under fsdp2, where every rank runs as many micro-batches: a mean weighs every
+        micro-batch of every rank alike, so each rank takes the mean over all ranks' micro-batch values (a
+        collective, after the mini-batch has ended); a sum is each rank's own sum, since verl averages the
+        ranks' sums; a min or max each rank's own. Exact but for float rounding."""
+        means = {
+            key: (sum(value.values), len(value.values))
+            for key, value in metrics.items()
+            if isinstance(value, Metric) and value.aggregation == AggregationType.MEAN
+        }
+        every: list = [None] * self.get_data_parallel_size()
+        dist.all_gather_object(every, means, group=self.get_data_parallel_group())
+        for key, value in metrics.items():
+            if not isinstance(value, Metric) or not value.values:
+                continue
+            folded = value.init_list()
+            if key in means:
+                folded.append(sum(r[key][0] for r in every) / sum(r[key][1] for r in every))
+            else:
+                folded.append(value.aggregate())
+            metrics[key] = folded
 
     def _routing_metrics(self) -> dict[str, list[float]]:
         """Each rank's tokens per expert in this mini-batch, compared across ranks (a collective, after the
@@ -251,16 +298,6 @@ def _sequence_lengths(micro_batch) -> tuple[int, ...]:
     if "attention_mask" in micro_batch.keys():
         return tuple(micro_batch["attention_mask"].sum(-1).tolist())
     return (input_ids.shape[-1],) * input_ids.shape[0]
-
-
-def _one_value_per_rank(metrics: dict) -> None:
-    """verl aggregates a Metric over ranks position by position and rejects ranks with different
-    numbers of micro-batch values; fold each rank's values first (exact for sum, min and max)."""
-    for key, value in metrics.items():
-        if isinstance(value, Metric) and len(value.values) > 1:
-            folded = value.init_list()
-            folded.append(value.aggregate())
-            metrics[key] = folded
 
 
 class ODCEngineWithLMHead(_ODCEngineMixin, FSDPEngineWithLMHead):

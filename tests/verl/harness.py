@@ -347,6 +347,8 @@ def make_grpo_batch(
     temperature: float = 1.0,
     max_token_len_per_gpu: int | None = None,
     micro_batch_size_per_gpu: int | None = None,
+    epochs: int = 1,
+    shuffle: bool = False,
     **sample_kwargs,
 ):
     """A synthetic GRPO actor/critic batch as the worker on ``rank`` receives it (v1 layout).
@@ -366,9 +368,9 @@ def make_grpo_batch(
         "temperature": temperature,
         "global_batch_size": mbs,
         "mini_batch_size": mbs,
-        "epochs": 1,
+        "epochs": epochs,
         "seed": 42,
-        "dataloader_kwargs": {"shuffle": False},
+        "dataloader_kwargs": {"shuffle": shuffle},
         "calculate_entropy": False,
     }
     if max_token_len_per_gpu is not None:

@@ -1,21 +1,22 @@
-"""LB-Mini dispatch from the rollout batch to per-rank mini-batch shares (odc_plugin/verl/dispatch.py and
+"""LB-Mini dispatch from a batch to per-rank shares of every optimizer step (odc_plugin/verl/dispatch.py and
 the patches patches/lb_mini_dispatch.py, patches/lb_mini_worker.py).
 
-* the plan: membership of mini-batches as verl forms them, every sample once, uneven counts, at least one
-  sample per rank, groups, errors, determinism;
-* the split of a batch's TransferQueue metadata by a plan, and the per-rank step order;
-* the settings a role gets from its engine config (which runs are ODC + LB-Mini);
+* verl's own steps: the samples every optimizer step trains on under fsdp2 (verl's chunks and iterator);
+* the plan: every step's samples once, uneven counts, at least one sample per rank, verl's own pieces kept
+  when LB-Mini predicts no gain, fixed micro-batch sizes, errors, determinism;
+* the split of a batch's TransferQueue metadata by a plan: each sample once per rank, steps as indices;
+* the settings a role gets from its engine config (which runs are ODC + LB-Mini), and the one loss refused;
 * verl's v1 PPOTrainer with the patch (real `_balance_batch` / `_update_actor` / `_update_critic` on a
   real hydra config; the worker groups are stand-ins, since Ray workers and TransferQueue cannot run here);
 * the patched dispatch inside verl's real `dispatch_nd_compute` (Ray object store, stand-in worker group);
 * the patched `TrainingWorker.train_mini_batch` on 2 gloo ranks with the `odc` engine and uneven shares,
-  against stock fsdp2 on an even split of the same global mini-batches.
+  against stock fsdp2's own `train_mini_batch` on verl's split of the same batch, several mini-batches and
+  epochs, shuffled: the same samples in every optimizer step, the same weights.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import random
 import types
 from pathlib import Path
 
@@ -25,19 +26,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odc_plugin.verl.dispatch import (
-    COUNTS_KEY,
     PLAN_KEY,
-    MiniBatchPlan,
+    STEPS_KEY,
+    PlanRequest,
+    StepPlan,
     _fill_empty_ranks,
+    check_loss_aggregation,
     lb_mini_settings,
-    mini_batch_schedule,
     plan_metrics,
-    plan_mini_batches,
-    plan_payload,
+    plan_steps,
     split_by_plan,
+    verl_steps,
 )
 from tests.verl import harness as H
-from tests.verl.dispatch_ranks import uneven_vs_even_update
+from tests.verl.dispatch_ranks import odc_vs_stock_update
 
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
 needs_tq = pytest.mark.skipif(
@@ -46,68 +48,104 @@ needs_tq = pytest.mark.skipif(
 )
 
 
-def _check_plan(plan: MiniBatchPlan, n: int, mini: int, dp: int):
-    assert sorted(plan.order) == list(range(n))  # every sample exactly once
-    assert plan.dp_size == dp and plan.num_mini_batches == n // mini
-    for i, mb in enumerate(plan.shares()):
-        # mini-batch i is the i-th consecutive slice of the batch, as verl forms them in its order
-        assert sorted(p for share in mb for p in share) == list(range(i * mini, (i + 1) * mini))
-        assert all(len(share) >= 1 for share in mb)
-    for r in range(dp):
-        assert sum(plan.counts[r]) == len(plan.rank_positions(r))
+def _kv_batch(lens, **extra):
+    from transfer_queue import KVBatchMeta
+
+    keys = [f"uid{i}_0_0" for i in range(len(lens))]
+    return KVBatchMeta(
+        keys=keys,
+        tags=[{"seq_len": s, "i": i} for i, s in enumerate(lens)],
+        partition_id="train",
+        fields=["input_ids"],
+        extra_info=dict(extra),
+    )
+
+
+def _in_order(n: int, dp: int, per_rank: int) -> list[list[list[int]]]:
+    """verl's steps without shuffling, one epoch: rank r's chunk cut in order into pieces of `per_rank`."""
+    chunk = n // dp
+    return [
+        [list(range(r * chunk + s * per_rank, r * chunk + (s + 1) * per_rank)) for r in range(dp)]
+        for s in range(chunk // per_rank)
+    ]
+
+
+def _check_plan(plan: StepPlan, stock) -> None:
+    assert plan.num_steps == len(stock) and plan.dp_size == len(stock[0])
+    for step, stock_step in zip(plan.steps, stock):
+        # every step trains on exactly verl's samples of that step, each once, a sample or more on every rank
+        assert sorted(p for share in step for p in share) == sorted(p for piece in stock_step for p in piece)
+        assert all(share for share in step)
+    for r in range(plan.dp_size):
+        positions = plan.rank_positions(r)
+        assert len(positions) == len(set(positions))
+        assert [[positions[i] for i in idx] for idx in plan.rank_steps(r)] == [list(s[r]) for s in plan.steps]
 
 
 # ---------------------------------------------------------------------------------------------
-# the plan
+# verl's steps, and the plan
 # ---------------------------------------------------------------------------------------------
+
+
+@needs_tq
+def test_verl_steps_are_the_mini_batches_verl_forms():
+    batch = _kv_batch([10] * 16, mini_batch_size=8, epochs=1, seed=7)
+    assert verl_steps(batch, 2, update=True) == _in_order(16, 2, 4)
+    assert verl_steps(batch, 2, update=False) == [[list(range(8)), list(range(8, 16))]]  # forward only: the chunks
+    batch.extra_info.update(epochs=3, dataloader_kwargs={"shuffle": True})
+    steps = verl_steps(batch, 2, update=True)
+    assert len(steps) == 6
+    for epoch in range(3):
+        # every epoch trains on every sample once; each rank only on its own chunk, reshuffled per epoch
+        assert sorted(p for step in steps[2 * epoch : 2 * epoch + 2] for piece in step for p in piece) == list(
+            range(16)
+        )
+        assert all(set(step[r]) <= set(range(8 * r, 8 * r + 8)) for step in steps for r in range(2))
+    assert steps[:2] != steps[2:4] and steps == verl_steps(batch, 2, update=True)
+    # ranks shuffle with seed + rank: their orders differ
+    assert [p - 8 for p in steps[0][1]] != steps[0][0]
+    del batch.extra_info["mini_batch_size"]
+    batch.extra_info["num_mini_batch"] = 4
+    assert len(verl_steps(batch, 2, update=True)) == 12
+    with pytest.raises(ValueError, match="mini_batch_size=6 does not divide over 4 ranks"):
+        verl_steps(_kv_batch([10] * 16, mini_batch_size=6), 4, update=True)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     dp=st.integers(1, 4),
     per_rank=st.integers(1, 4),
-    num_mini=st.integers(1, 3),
+    num_steps=st.integers(1, 3),
     data=st.data(),
 )
-def test_plan_covers_every_mini_batch_once_with_a_sample_per_rank(dp, per_rank, num_mini, data):
-    mini = dp * per_rank
-    lens = data.draw(st.lists(st.integers(1, 96), min_size=mini * num_mini, max_size=mini * num_mini))
-    plan = plan_mini_batches(lens, mini, dp, 96, "tokens")
-    _check_plan(plan, len(lens), mini, dp)
-    assert plan == plan_mini_batches(list(lens), mini, dp, 96, "tokens")  # deterministic
+def test_plan_covers_every_step_once_with_a_sample_per_rank(dp, per_rank, num_steps, data):
+    n = dp * per_rank * num_steps
+    lens = data.draw(st.lists(st.integers(1, 96), min_size=n, max_size=n))
+    stock = _in_order(n, dp, per_rank)
+    plan = plan_steps(lens, stock, max_token_len=96)
+    _check_plan(plan, stock)
+    assert plan == plan_steps(list(lens), stock, max_token_len=96)  # deterministic
 
 
-def test_plan_counts_may_differ_and_beat_the_equal_split():
-    # one long sequence per mini-batch: the equal split puts it with as many samples as the others get
+def test_plan_counts_may_differ_and_beat_verls_pieces():
+    # one long sequence per step: verl's equal pieces put it with as many samples as the others get
     lens = [60, 8, 8, 8, 8, 8, 8, 8] * 2
-    plan = plan_mini_batches(lens, 8, 2, 64, "tokens")
-    _check_plan(plan, 16, 8, 2)
-    assert all(sorted(c) == [1, 7] for c in zip(*plan.counts))  # the 60-token sample alone, 7 short ones
-    for mb in plan.shares():
-        # busiest rank: 60 tokens; an equal split (4 + 4) puts 60 + 3 * 8 = 84 on one rank
-        assert max(sum(lens[p] for p in share) for share in mb) == 60
+    stock = [[[0, 1, 2, 3], [4, 5, 6, 7]], [[8, 9, 10, 11], [12, 13, 14, 15]]]
+    plan = plan_steps(lens, stock, max_token_len=64)
+    _check_plan(plan, stock)
+    assert all(sorted(map(len, step)) == [1, 7] for step in plan.steps)  # the 60-token sample alone
+    # busiest rank: 60 tokens; verl's pieces put 60 + 3 * 8 = 84 on one rank
+    assert all(max(sum(lens[p] for p in share) for share in step) == 60 for step in plan.steps)
     metrics = plan_metrics(plan, lens, "tokens", "odc_balance")
     assert metrics["odc_balance/samples_min"] < metrics["odc_balance/samples_max"]
     assert metrics["odc_balance/efficiency"] == pytest.approx(1.0)
     assert metrics["odc_balance/mini_batches"] == 2
 
 
-def test_plan_keeps_groups_and_never_leaves_a_rank_empty():
-    rng = random.Random(1)
-    lens = [rng.randint(5, 60) for _ in range(12)]
-    groups = [i // 3 for i in range(12)]  # GRPO: 3 responses per prompt, 2 groups per mini-batch
-    plan = plan_mini_batches(lens, 6, 2, 64, "tokens", group_ids=groups)
-    _check_plan(plan, 12, 6, 2)
-    for r in range(2):
-        mine = set(plan.rank_positions(r))
-        assert all(set(range(g * 3, g * 3 + 3)) <= mine or not set(range(g * 3, g * 3 + 3)) & mine for g in range(4))
-    # a single group per mini-batch would leave a rank empty: its cheapest sample moves there
-    plan = plan_mini_batches(lens, 6, 2, 64, "tokens", group_ids=[i // 6 for i in range(12)])
-    _check_plan(plan, 12, 6, 2)
-    assert sorted(c for mb in zip(*plan.counts) for c in mb) == [1, 1, 5, 5]
-    for mb in plan.shares():
-        moved = min(mb, key=len)[0]
-        assert lens[moved] == min(lens[p] for share in mb for p in share)
+def test_plan_keeps_verls_pieces_sample_for_sample_when_no_split_is_faster():
+    lens = [30, 10, 20, 20, 10, 30, 20, 20]
+    stock = [[[5, 1, 3, 2], [0, 4, 7, 6]]]  # shuffled pieces: their order is kept too
+    assert plan_steps(lens, stock, max_token_len=64).steps == ((tuple(stock[0][0]), tuple(stock[0][1])),)
 
 
 def test_fill_empty_ranks_takes_the_cheapest_sample_of_the_fullest_rank():
@@ -117,8 +155,12 @@ def test_fill_empty_ranks_takes_the_cheapest_sample_of_the_fullest_rank():
     assert shares == [[0], [1], [3, 4], [2]]
 
 
-def test_plan_static_micro_batch_size_and_flops_cost():
-    lens = [10, 200, 30, 40, 50, 60]
+def test_plan_fixed_micro_batch_size_and_flops_cost():
+    """With verl's fixed micro-batch size a share is cut into pieces of that size and a smaller last one:
+    LB-Mini counts a rank's micro-batches so, whatever their tokens."""
+    from odc_plugin.balance import get_cost_model
+
+    lens = [10, 200, 30, 40, 50, 60, 20, 20]
     model = {
         "num_hidden_layers": 2,
         "hidden_size": 64,
@@ -127,33 +169,25 @@ def test_plan_static_micro_batch_size_and_flops_cost():
         "intermediate_size": 128,
         "vocab_size": 256,
     }
-    from odc_plugin.balance import get_cost_model
-
-    plan = plan_mini_batches(lens, 6, 2, None, get_cost_model("flops", model=model), micro_batch_size=2)
-    _check_plan(plan, 6, 6, 2)
-    for r in range(2):
-        assert plan.micro_batches[r][0] == -(-plan.counts[r][0] // 2)
+    stock = _in_order(8, 2, 4)
+    plan = plan_steps(lens, stock, max_token_len=None, micro_batch_size=2, cost=get_cost_model("flops", model=model))
+    _check_plan(plan, stock)
+    assert sorted(map(len, plan.steps[0])) == [1, 7]  # the 200-token sample alone, no token budget to respect
+    assert plan.micro_batches[0] == tuple(-(-len(share) // 2) for share in plan.steps[0])
 
 
 @pytest.mark.parametrize(
-    ("lens", "mini", "dp", "max_tokens", "match"),
+    ("stock", "kwargs", "match"),
     [
-        ([10] * 6, 4, 2, 64, "whole mini-batches"),
-        ([10] * 6, 2, 3, 64, "cannot give each of 3"),
-        ([10, 80, 10, 10], 4, 2, 64, "more than the per-micro-batch budget"),
-        ([10] * 4, 4, 2, None, "give max_token_len"),
+        ([[[0, 1], []]], {"max_token_len": 64}, "leaves one of 2 data-parallel ranks without a sample"),
+        ([[[0], [1]]], {"max_token_len": 5}, "more than the per-micro-batch budget"),
+        ([[[0], [1]]], {"max_token_len": None}, "give max_token_len"),
+        ([[[0], [1]]], {"max_token_len": None, "micro_batch_size": 0}, "micro_batch_size must be an integer >= 1"),
     ],
 )
-def test_plan_errors(lens, mini, dp, max_tokens, match):
+def test_plan_errors(stock, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        plan_mini_batches(lens, mini, dp, max_tokens, "tokens")
-
-
-def test_mini_batch_schedule():
-    assert mini_batch_schedule(3, 2, seed=7, shuffle=False) == [0, 1, 2, 0, 1, 2]
-    shuffled = mini_batch_schedule(5, 3, seed=7, shuffle=True)
-    assert shuffled == mini_batch_schedule(5, 3, seed=7, shuffle=True)  # the same on every rank
-    assert all(sorted(shuffled[e * 5 : e * 5 + 5]) == list(range(5)) for e in range(3))
+        plan_steps([10, 10], stock, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +208,7 @@ def _engine_config(strategy, **odc):
 
 
 def test_settings_only_for_odc_with_lb_mini():
-    kw = {"mini_batch_size": 8, "use_dynamic_bsz": True, "max_token_len": 64, "micro_batch_size": None}
+    kw = {"use_dynamic_bsz": True, "max_token_len": 64, "micro_batch_size": None}
     assert lb_mini_settings(_engine_config("fsdp2"), **kw) is None
     assert lb_mini_settings(_engine_config("fsdp"), **kw) is None
     assert lb_mini_settings(_engine_config("odc", odc_balancer="lb_micro"), **kw) is None
@@ -196,48 +230,51 @@ def test_settings_only_for_odc_with_lb_mini():
     assert s.cost(10) == 2.0 * 100 + 3.0 * 10 and (s.max_token_len, s.micro_batch_size) == (None, 4)
 
 
+def test_the_loss_that_depends_on_micro_batches_is_refused():
+    check_loss_aggregation("critic", "seq-mean-token-sum-norm", 512)
+    for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"):
+        check_loss_aggregation("critic", mode, None)
+    with pytest.raises(ValueError) as refused:
+        check_loss_aggregation("actor_rollout_ref.actor", "seq-mean-token-sum-norm", None)
+    assert str(refused.value) == (
+        "odc: actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm without "
+        "actor_rollout_ref.actor.loss_scale_factor divides each micro-batch's loss by its own padded length, "
+        "which differs under strategy=odc; set actor_rollout_ref.actor.loss_scale_factor (e.g. to "
+        "data.max_response_length)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # splitting a batch's metadata
 # ---------------------------------------------------------------------------------------------
 
 
-def _kv_batch(lens, **extra):
-    from transfer_queue import KVBatchMeta
-
-    keys = [f"uid{i}_0_0" for i in range(len(lens))]
-    return KVBatchMeta(
-        keys=keys,
-        tags=[{"seq_len": s, "i": i} for i, s in enumerate(lens)],
-        partition_id="train",
-        fields=["input_ids"],
-        extra_info=dict(extra),
-    )
-
-
 @needs_tq
-def test_split_by_plan_gives_each_rank_its_keys_and_counts():
+def test_split_by_plan_gives_each_rank_its_samples_once_and_its_steps():
     lens = [60, 8, 8, 8, 30, 30, 30, 4]
-    batch = _kv_batch(lens, temperature=1.0, mini_batch_size=4)
-    plan = plan_mini_batches(lens, 4, 2, 64, "tokens")
-    batch.extra_info[PLAN_KEY] = plan_payload(plan, batch.keys)
+    # two epochs, reshuffled: a sample may run on another rank in the second epoch
+    batch = _kv_batch(lens, temperature=1.0, mini_batch_size=4, epochs=2, dataloader_kwargs={"shuffle": True})
+    request = PlanRequest(lb_mini_settings(_engine_config("odc", odc_cost_model="tokens"), **_DYNAMIC), update=True)
+    batch.extra_info[PLAN_KEY] = request
     pieces = split_by_plan(batch, 2)
+    plan = request.plan
+    assert request.seqlens == lens and request.fit is None and request.plan_s > 0
+    _check_plan(plan, verl_steps(batch, 2, update=True))
     for r, piece in enumerate(pieces):
         assert [t["i"] for t in piece.tags] == plan.rank_positions(r)
         assert piece.keys == [batch.keys[p] for p in plan.rank_positions(r)]
-        assert piece.extra_info == {"temperature": 1.0, "mini_batch_size": 4, COUNTS_KEY: list(plan.counts[r])}
+        assert piece.extra_info == {
+            "temperature": 1.0,
+            "mini_batch_size": 4,
+            "epochs": 2,
+            "dataloader_kwargs": {"shuffle": True},
+            STEPS_KEY: plan.rank_steps(r),
+        }
         assert piece.partition_id == "train" and piece.fields == ["input_ids"]
-    assert PLAN_KEY in batch.extra_info  # the caller's batch is left alone
+    assert batch.extra_info[PLAN_KEY] is request  # the caller's batch is left alone
 
-    with pytest.raises(ValueError, match="for 2 ranks, the worker group has 4"):
-        split_by_plan(batch, 4)
-    batch.extra_info["mini_batch_size"] = 8
-    with pytest.raises(ValueError, match="asks for 8"):
-        split_by_plan(batch, 2)
-    other = _kv_batch(lens[:4] + [1, 1, 1, 1], mini_batch_size=4)
-    other.keys[-1] = "someone_else"
-    other.extra_info[PLAN_KEY] = plan_payload(plan, batch.keys)
-    with pytest.raises(ValueError, match="batch changed"):
-        split_by_plan(other, 2)
+
+_DYNAMIC = {"use_dynamic_bsz": True, "max_token_len": 64, "micro_batch_size": None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +291,10 @@ class _WorkerGroup:
         self.reports = {}  # further metrics the engines report (e.g. the auto cost's fit)
 
     def _receive(self, batch):
-        self.sent.append((dict(batch.extra_info), split_by_plan(batch, 2) if PLAN_KEY in batch.extra_info else None))
+        """What the patched dispatch does in the driver with a batch carrying a plan request."""
+        request = batch.extra_info.get(PLAN_KEY)
+        pieces = split_by_plan(batch, 2) if request is not None else None
+        self.sent.append(({k: v for k, v in batch.extra_info.items() if k != PLAN_KEY}, request, pieces))
         return {"metrics": {"mfu": [0.5], "loss": [1.0], **self.reports}}
 
     def update_actor(self, batch):
@@ -315,53 +355,49 @@ LENS = [60, 8, 8, 8, 8, 8, 40, 30, 20, 10, 5, 5]  # 12 samples: 2 actor mini-bat
 
 
 @needs_tq
-def test_trainer_plans_lb_mini_updates_for_odc(tmp_path):
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-
+def test_trainer_plans_lb_mini_updates_for_odc_on_verls_steps(tmp_path):
     trainer = _trainer(tmp_path, "actor_rollout_ref.actor.strategy=odc", "critic.strategy=odc")
-    batch = _kv_batch(LENS)
-    arrival = list(batch.keys)  # verl reorders the batch in place
+    # verl's own balancing, unpatched: its order is what the dispatch chunks
+    balanced = trainer._balance_batch(_kv_batch(LENS), metrics={})
     metrics = {}
-    balanced = trainer._balance_batch(batch, metrics=metrics)
-
-    # verl's own balancing still ran: its order (kept by the inference stages) and its metrics
-    stock_metrics = {}
-    stock = PPOTrainer._balance_batch.__wrapped__(trainer, _kv_batch(LENS), metrics=stock_metrics)
-    assert balanced.keys == stock.keys and {k: metrics[k] for k in stock_metrics} == stock_metrics
-
-    plans = {stage: payload for stage, (payload, _) in trainer._odc_lb_mini_plans.items()}  # the stages consume them
-    # the forward-only passes too: the whole batch as one mini-batch, a sample or more on every rank
-    assert set(plans) == {"actor", "critic", "old_log_prob", "values"}
-    for stage in ("old_log_prob", "values"):
-        assert plans[stage]["mini_batch_size"] == len(LENS) and min(min(c) for c in plans[stage]["counts"]) >= 1
-        assert sorted(k for keys in plans[stage]["keys"] for k in keys) == sorted(arrival)
-    for role, mini in (("actor", 6), ("critic", 12)):
-        payload = plans[role]
-        assert payload["mini_batch_size"] == mini
-        seen = []
-        for i in range(len(LENS) // mini):  # mini-batch i = the i-th slice of the batch as it arrived
-            members = []
-            for keys, counts in zip(payload["keys"], payload["counts"]):
-                start = sum(counts[:i])
-                members += keys[start : start + counts[i]]
-            assert sorted(members) == sorted(arrival[i * mini : (i + 1) * mini])
-            seen += members
-        assert sorted(seen) == sorted(arrival)
-    assert plans["actor"]["counts"] != [[3, 3], [3, 3]]  # uneven: the 60-token sample sits nearly alone
-    for key in ("min", "max", "efficiency", "samples_min", "samples_max", "micro_batches_min", "micro_batches_max"):
-        assert f"odc_balance/{key}" in metrics and f"odc_balance/critic/{key}" in metrics
-    assert metrics["odc_balance/samples_min"] < metrics["odc_balance/samples_max"]
-
-    # the updates carry the plan to the dispatch, and only for the duration of the call
     trainer._update_critic(balanced, metrics)
     trainer._update_actor(balanced, metrics)
-    for wg, role in ((trainer.critic_wg, "critic"), (trainer.actor_rollout_wg, "actor")):
-        ((extra, pieces),) = wg.sent
-        assert extra[PLAN_KEY] == plans[role] and extra["mini_batch_size"] == plans[role]["mini_batch_size"]
-        assert [p.extra_info[COUNTS_KEY] for p in pieces] == plans[role]["counts"]
-        assert [p.keys for p in pieces] == plans[role]["keys"]
-    assert PLAN_KEY not in balanced.extra_info and set(trainer._odc_lb_mini_plans) == {"old_log_prob", "values"}
+    for wg, mini in ((trainer.critic_wg, 12), (trainer.actor_rollout_wg, 6)):
+        ((extra, request, pieces),) = wg.sent
+        assert extra["mini_batch_size"] == mini
+        # the steps are verl's own for this batch, as the trainer dispatched it
+        stock = verl_steps(_with(balanced, extra), 2, update=True)
+        _check_plan(request.plan, stock)
+        assert len(request.plan.steps) == len(LENS) // mini
+        assert [p.extra_info[STEPS_KEY] for p in pieces] == [request.plan.rank_steps(r) for r in range(2)]
+        positions = [request.plan.rank_positions(r) for r in range(2)]
+        assert [p.keys for p in pieces] == [[balanced.keys[i] for i in share] for share in positions]
+    assert PLAN_KEY not in balanced.extra_info  # only for the duration of the call
+    # uneven: the 60-token sample sits nearly alone
+    assert metrics["odc_balance/samples_min"] < metrics["odc_balance/samples_max"]
+    for key in ("min", "max", "efficiency", "samples_min", "samples_max", "micro_batches_max", "plan_s"):
+        assert f"odc_balance/{key}" in metrics and f"odc_balance/critic/{key}" in metrics
     assert metrics["perf/mfu/actor"] == 0.5 and metrics["perf/mfu/critic"] == 0.5
+
+
+def _with(batch, extra_info):
+    from transfer_queue import KVBatchMeta
+
+    return KVBatchMeta(keys=batch.keys, tags=batch.tags, partition_id="train", fields=[], extra_info=extra_info)
+
+
+@needs_tq
+def test_trainer_refuses_the_loss_that_depends_on_micro_batches(tmp_path):
+    trainer = _trainer(
+        tmp_path,
+        "actor_rollout_ref.actor.strategy=odc",
+        "critic.strategy=fsdp2",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+    )
+    balanced = trainer._balance_batch(_kv_batch(LENS), metrics={})
+    with pytest.raises(ValueError, match="set actor_rollout_ref.actor.loss_scale_factor"):
+        trainer._update_actor(balanced, {})
+    assert trainer.actor_rollout_wg.sent == []
 
 
 AUTO = [
@@ -377,10 +413,11 @@ AUTO = [
 def test_auto_cost_plans_as_flops_until_the_engine_reports_a_fit_then_follows_it(tmp_path):
     trainer = _trainer(tmp_path, *AUTO)
     balanced = trainer._balance_batch(_kv_batch(LENS), metrics={})
-    first, predicted = trainer._odc_lb_mini_plans["actor"]
+    trainer._update_actor(balanced, {})
+    ((_, first, _),) = trainer.actor_rollout_wg.sent
     flops = _trainer(tmp_path / "flops", "actor_rollout_ref.actor.strategy=odc", "critic.strategy=fsdp2")
-    flops._balance_batch(_kv_batch(LENS), metrics={})
-    assert first == flops._odc_lb_mini_plans["actor"][0] and not predicted  # no timings yet: the flops plan
+    flops._update_actor(flops._balance_batch(_kv_batch(LENS), metrics={}), {})
+    assert first.plan == flops.actor_rollout_wg.sent[0][1].plan and first.fit is None  # no timings yet
 
     # the actor's engine reports a fit in which rank 1 runs at half speed
     trainer.actor_rollout_wg.reports = {
@@ -396,14 +433,19 @@ def test_auto_cost_plans_as_flops_until_the_engine_reports_a_fit_then_follows_it
     trainer._update_actor(balanced, metrics)
     assert (metrics["odc_balance/fit_c"], metrics["odc_balance/fit_b"]) == (0.01, 1e-3)
     assert (metrics["odc_balance/rank_speed_min"], metrics["odc_balance/rank_speed_max"]) == (0.5, 1.0)
+    assert "odc_balance/prediction_error" not in metrics  # that plan was made before the fit
 
-    trainer._balance_batch(_kv_batch(LENS), metrics={})
-    plan, predicted = trainer._odc_lb_mini_plans["actor"]
-    tokens = {k: s for k, s in zip(_kv_batch(LENS).keys, LENS)}
-    per_rank = [sum(tokens[k] for k in keys) for keys in plan["keys"]]
-    assert per_rank[1] < per_rank[0]  # the slow rank gets less
-    assert len(predicted) == 2 and all(p > 0 for p in predicted)
+    metrics = {}
     trainer._update_actor(balanced, metrics)
+    _, request, _ = trainer.actor_rollout_wg.sent[-1]
+    assert request.fit.speeds == (1.0, 0.5)
+    tokens = dict(zip(balanced.keys, (t["seq_len"] for t in balanced.tags)))
+    per_rank = [sum(tokens[balanced.keys[p]] for p in request.plan.rank_positions(r)) for r in range(2)]
+    assert per_rank[1] < per_rank[0]  # the slow rank gets less
+    from odc_plugin.verl.dispatch import plan_seconds
+
+    predicted = plan_seconds(request.plan, request.seqlens, request.fit)
+    assert len(predicted) == 2 and all(p > 0 for p in predicted)
     assert metrics["odc_balance/prediction_error"] == pytest.approx(sum(predicted) / 2 / 0.1 - 1)
 
 
@@ -423,17 +465,12 @@ def test_auto_cost_plans_as_flops_until_the_engine_reports_a_fit_then_follows_it
     ids=["fsdp2", "odc-lb_micro"],
 )
 def test_trainer_unchanged_without_lb_mini(tmp_path, overrides):
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-
     trainer = _trainer(tmp_path, *overrides)
-    metrics, stock_metrics = {}, {}
+    metrics = {}
     balanced = trainer._balance_batch(_kv_batch(LENS), metrics=metrics)
-    stock = PPOTrainer._balance_batch.__wrapped__(trainer, _kv_batch(LENS), metrics=stock_metrics)
-    assert balanced.keys == stock.keys and metrics == stock_metrics
-    assert trainer._odc_lb_mini_plans == {}
     trainer._update_actor(balanced, metrics)
-    ((extra, pieces),) = trainer.actor_rollout_wg.sent
-    assert PLAN_KEY not in extra and pieces is None
+    ((_, request, pieces),) = trainer.actor_rollout_wg.sent
+    assert request is None and pieces is None and not any(k.startswith("odc_balance") for k in metrics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,17 +502,19 @@ def test_dispatch_sends_each_rank_its_share(ray_local):
     wg._workers = [None] * 4
     wg._dispatch_info = {"actor": [0, 0, 1, 1], "train": [0, 0, 1, 1]}
     lens = [60, 8, 8, 8, 30, 30, 30, 4]
-    plan = plan_mini_batches(lens, 4, 2, 64, "tokens")
+    settings = lb_mini_settings(_engine_config("odc", odc_cost_model="tokens"), **_DYNAMIC)
     for method in (ActorRolloutRefWorker.update_actor, TrainingWorker.train_mini_batch):
         dispatch = getattr(method, MAGIC_ATTR)["dispatch_mode"]["dispatch_fn"]
         batch = _kv_batch(lens, mini_batch_size=4)
-        batch.extra_info[PLAN_KEY] = plan_payload(plan, batch.keys)
+        request = PlanRequest(settings, update=True)
+        batch.extra_info[PLAN_KEY] = request
         args, kwargs = dispatch(wg, batch)
         sent = ray_local.get(list(args[0]))
         assert not kwargs and len(sent) == 4
+        assert request.plan.steps != tuple((tuple(a), tuple(b)) for a, b in verl_steps(batch, 2, update=True))
         for worker, dp_rank in enumerate([0, 0, 1, 1]):
-            assert sent[worker].keys == [batch.keys[p] for p in plan.rank_positions(dp_rank)]
-            assert sent[worker].extra_info[COUNTS_KEY] == list(plan.counts[dp_rank])
+            assert sent[worker].keys == [batch.keys[p] for p in request.plan.rank_positions(dp_rank)]
+            assert sent[worker].extra_info[STEPS_KEY] == request.plan.rank_steps(dp_rank)
             assert PLAN_KEY not in sent[worker].extra_info
         # without a plan verl's own dispatch runs: equal chunks (a TensorDict needs no TransferQueue)
         td = TensorDict({"x": torch.arange(8)}, batch_size=[8])
@@ -487,46 +526,72 @@ def test_dispatch_sends_each_rank_its_share(ray_local):
 # the patched train_mini_batch on 2 ranks, for real
 # ---------------------------------------------------------------------------------------------
 
-SEED, BATCH, MINI, MAX_TOKENS = 3, 12, 6, 64  # seed 3: LB-Mini splits both mini-batches 4 / 2
+SEED, BATCH, MINI = 27, 16, 8  # seed 27: LB-Mini splits all four steps unevenly
+# two mini-batches, two epochs, reshuffled: four optimizer steps whose samples verl decides per rank
+SHARED = {"mini_batch_size": MINI, "epochs": 2, "shuffle": True}
+BATCHING = {
+    "dynamic": {"max_token_len_per_gpu": 64},
+    "fixed micro-batch size": {"micro_batch_size_per_gpu": 2},  # shares of 3 or 5 end in a smaller one
+}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    lens = [len(s["input_ids"]) for s in H.make_grpo_samples(SEED, BATCH)]
-    plan = plan_mini_batches(lens, MINI, 2, MAX_TOKENS, "tokens")
-    odc_positions = [plan.rank_positions(r) for r in range(2)]
-    # stock: rank r holds the r-th half of every mini-batch, so verl's slicing forms the same mini-batches
-    half = MINI // 2
-    even = [[p for i in range(0, BATCH, MINI) for p in range(i + r * half, i + (r + 1) * half)] for r in range(2)]
+@pytest.fixture(scope="module", params=list(BATCHING))
+def two_ranks(request, tmp_path_factory):
+    batching = BATCHING[request.param]
+    samples = H.make_grpo_samples(SEED, BATCH)
+    batch = _kv_batch([len(s["input_ids"]) for s in samples], **SHARED, dataloader_kwargs={"shuffle": True}, seed=42)
+    dynamic = "max_token_len_per_gpu" in batching
+    settings = lb_mini_settings(
+        _engine_config("odc", odc_cost_model="tokens"),
+        use_dynamic_bsz=dynamic,
+        max_token_len=batching.get("max_token_len_per_gpu"),
+        micro_batch_size=batching.get("micro_batch_size_per_gpu"),
+    )
+    plan_request = PlanRequest(settings, update=True)
+    batch.extra_info[PLAN_KEY] = plan_request
+    split_by_plan(batch, 2)
+    plan = plan_request.plan
     model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
     results = H.run_on_ranks(
-        uneven_vs_even_update,
+        odc_vs_stock_update,
         2,
         model_dir,
         SEED,
         BATCH,
-        MINI,
-        MAX_TOKENS,
-        odc_positions,
-        [list(c) for c in plan.counts],
-        even,
+        {**SHARED, **batching},
+        [plan.rank_positions(r) for r in range(2)],
+        [plan.rank_steps(r) for r in range(2)],
         plugin_modules=["odc_plugin.verl.plugin"],
     )
-    return plan, results
+    return batching, plan, results
 
 
-def test_uneven_shares_step_like_verl_on_the_same_mini_batches(two_ranks):
-    plan, results = two_ranks
-    assert any(len(set(c)) > 1 for c in zip(*plan.counts)), plan.counts  # the shares really are uneven
+def test_uneven_shares_train_verls_mini_batches_step_for_step(two_ranks):
+    """Every optimizer step under odc trains on the samples stock verl's own train_mini_batch forms for it
+    (its chunks, its iterator over 2 mini-batches x 2 reshuffled epochs), split unevenly over the ranks;
+    the weights after all four steps equal stock fsdp2's."""
+    batching, plan, results = two_ranks
+    assert any(len({len(share) for share in step}) > 1 for step in plan.steps), plan.steps  # really uneven
+    steps = {s: [res[s]["steps"] for res in results] for s in ("odc", "fsdp2")}
+    assert len(steps["fsdp2"][0]) == len(steps["odc"][0]) == 4
+    for i in range(4):
+        trained = {s: sorted(sample for rank in steps[s] for sample in rank[i][0]) for s in steps}
+        assert trained["odc"] == trained["fsdp2"], f"step {i} trains on other samples"
+        # the lr scheduler steps once, on the last step, on every rank
+        assert all(rank[i][1] == (i == 3) for s in steps for rank in steps[s])
+    assert steps["fsdp2"][0][0][0] != steps["fsdp2"][0][2][0]  # the epochs really were reshuffled
     for rank, res in enumerate(results):
         assert res["odc"]["engine"] == "ODCEngineWithLMHead"
-        # one optimizer step per mini-batch with this rank's share of it; the lr scheduler steps once, last
-        assert res["odc"]["steps"] == [(c, i == len(plan.counts[rank]) - 1) for i, c in enumerate(plan.counts[rank])]
-        assert res["fsdp2"]["steps"] == [(MINI // 2, False), (MINI // 2, True)]
         for name, value in res["odc"]["state"].items():
             torch.testing.assert_close(value, res["fsdp2"]["state"][name], rtol=1e-5, atol=1e-7, msg=name)
         odc, stock = res["odc"]["metrics"], res["fsdp2"]["metrics"]
-        assert len(odc["grad_norm"]) == len(stock["grad_norm"]) == BATCH // MINI
+        assert len(odc["grad_norm"]) == len(stock["grad_norm"]) == 4
         torch.testing.assert_close(torch.tensor(odc["grad_norm"]), torch.tensor(stock["grad_norm"]))
-        # the engine's own per-rank values survive the fold: one per rank and mini-batch
-        assert len(odc["odc/micro_batches_max"]) == 2 * (BATCH // MINI)
+        torch.testing.assert_close(torch.tensor(odc["actor/pg_loss"]), torch.tensor(stock["actor/pg_loss"]))
+        # the engine's own per-rank values survive the fold: one per rank and step
+        assert len(odc["odc/micro_batches_max"]) == 2 * 4
+        if "micro_batch_size_per_gpu" in batching:
+            size = batching["micro_batch_size_per_gpu"]
+            assert max(res["odc"]["micro_batches"]) <= size  # never more than the configured size
+            shares = [len(step[rank]) for step in plan.steps]
+            assert len(res["odc"]["micro_batches"]) == sum(-(-n // size) for n in shares)

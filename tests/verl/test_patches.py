@@ -12,6 +12,7 @@ import pytest
 import torch
 import verl
 from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
+from verl.utils.metric import Metric
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 import odc_patches
@@ -45,7 +46,7 @@ def stock_verl(monkeypatch):
             monkeypatch.setitem(mode, "dispatch_fn", fn.args[1])
     if HAS_TQ:
         trainer = _trainer()
-        for name in ("_balance_batch", "_update_actor", "_update_critic"):
+        for name, _ in lb_mini_dispatch._STAGES:
             fn = getattr(trainer, name)
             if getattr(fn, "_odc_patched", False):
                 monkeypatch.setattr(trainer, name, fn.__wrapped__)
@@ -67,8 +68,7 @@ def _patched_state():
     if HAS_TQ:
         trainer = _trainer()
         state["trainer"] = [
-            getattr(getattr(trainer, n, None), "_odc_patched", False)
-            for n in ("_balance_batch", "_update_actor", "_update_critic")
+            getattr(getattr(trainer, n, None), "_odc_patched", False) for n, _ in lb_mini_dispatch._STAGES
         ]
     return state
 
@@ -151,6 +151,34 @@ def test_worker_patch_refuses_rewritten_method(stock_verl):
         lb_mini_worker.apply()
 
 
+def test_worker_patch_refuses_other_mini_batches(stock_verl):
+    """A train_mini_batch that still uses every name the patch relies on but forms its mini-batches
+    otherwise (every rank shuffled alike): the driver's plans would train other samples than verl."""
+    from verl.utils import tensordict_utils as tu
+
+    dispatch = _dispatch_mode(TrainingWorker.train_mini_batch)
+
+    class TrainingWorker_:
+        def train_mini_batch(self, data):
+            epochs = tu.pop(data, key="epochs", default=1)
+            seed = tu.pop(data, key="seed", default=42)
+            mini_batch_size_per_gpu = len(data)
+            dataloader = tu.make_iterator(data, mini_batch_size_per_gpu, epochs, seed=seed)
+            outputs = []
+            with self.engine.train_mode():
+                for mini_batch in dataloader:
+                    outputs.append(self.train_batch(mini_batch))
+            torch.distributed.all_gather_object(outputs, outputs)
+            return Metric.aggregate_dp(outputs)
+
+    TrainingWorker_.train_mini_batch.__qualname__ = "TrainingWorker.train_mini_batch"
+    stock_verl.setattr(
+        TrainingWorker, "train_mini_batch", register(dispatch_mode=dispatch)(TrainingWorker_.train_mini_batch)
+    )
+    with pytest.raises(PatchError, match="no longer has 'mini_batch_size_per_gpu = batch_size_per_dp"):
+        lb_mini_worker.apply()
+
+
 def test_worker_patch_refuses_changed_signature(stock_verl):
     dispatch = _dispatch_mode(TrainingWorker.train_mini_batch)
     original = TrainingWorker.train_mini_batch.__wrapped__.__wrapped__
@@ -196,8 +224,8 @@ needs_trainer = pytest.mark.skipif(
 
 @needs_trainer
 def test_trainer_patch_refuses_missing_method(stock_verl):
-    stock_verl.delattr(_trainer(), "_balance_batch")
-    with pytest.raises(PatchError, match="_balance_batch is gone"):
+    stock_verl.delattr(_trainer(), "_compute_values")
+    with pytest.raises(PatchError, match="_compute_values is gone"):
         lb_mini_dispatch.apply()
     # nothing was changed before the check failed
     assert not any(_patched_state()["dispatch"])
@@ -205,8 +233,8 @@ def test_trainer_patch_refuses_missing_method(stock_verl):
 
 @needs_trainer
 def test_trainer_patch_refuses_changed_signature(stock_verl):
-    stock_verl.setattr(_trainer(), "_balance_batch", lambda self, batch, metrics: batch)
-    with pytest.raises(PatchError, match=r"_balance_batch\(self, batch, metrics\) is no longer"):
+    stock_verl.setattr(_trainer(), "_update_critic", lambda self, batch: batch)
+    with pytest.raises(PatchError, match=r"_update_critic\(self, batch\) is no longer"):
         lb_mini_dispatch.apply()
 
 
