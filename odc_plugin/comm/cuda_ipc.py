@@ -19,22 +19,23 @@ Ordering, and why it holds without luck:
   afterwards (reading its accumulator) start after every peer's adds were performed in its memory.
 - concurrent writers: adds into one word from several GPUs are atomic at system scope; no locks.
 
-Needs: Triton (the `gpu` extra), every GPU of the node visible to every rank (CUDA IPC opens a handle
-only in a process that can see the owning device) and peer access between them, with native P2P
-atomics (NVLink) when ranks are on different GPUs. Verified only on a GPU machine
-(tests/comm/test_gpu_cuda_ipc.py); nothing here runs on CPU.
+Needs: Triton (the `gpu` extra), every rank on one node, peer access between the GPUs, with native P2P
+atomics (NVLink) when ranks are on different GPUs, and no expandable_segments in torch's allocator
+(checked when the transport starts, cuda_ipc_setup.py; a peer's GPU need not be visible to a rank's
+process). Verified only on a GPU machine (tests/comm/test_gpu_cuda_ipc.py, ranks sharing one GPU;
+never across separate GPUs); nothing here runs on CPU.
 """
 
 from __future__ import annotations
 
 import inspect
-import socket
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from .base import Region, Transport
+from .cuda_ipc_setup import ProcessGpus, first_line, open_error, setup_error
 
 _BARRIER = "odc.barrier"
 
@@ -50,13 +51,12 @@ class CudaIpcTransport(Transport):
         self._kernels = kernels
         self.group = group
         self.device = torch.device("cuda", torch.cuda.current_device())
-        hosts: list = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) > 1:
-            raise RuntimeError(
-                f"the cuda_ipc transport needs every rank on one node, got {sorted(set(hosts))}; "
-                "use 'nvshmem' (or 'auto') across nodes"
-            )
+        # Every rank's report, so that every rank decides the same (cuda_ipc_setup.py).
+        self._gpus: list = [None] * self.world_size
+        dist.all_gather_object(self._gpus, ProcessGpus.here(self.device.index), group=group)
+        error = setup_error(self._gpus)
+        if error:
+            raise RuntimeError(error)
         self._own: dict[str, torch.Tensor] = {}
         self._peers: dict[str, list[torch.Tensor]] = {}
         self._barrier_stream = torch.cuda.Stream(self.device)
@@ -71,29 +71,44 @@ class CudaIpcTransport(Transport):
         # The zeros must be in memory before any peer can write into the region; the collective below
         # only starts once this has returned.
         torch.cuda.synchronize(self.device)
-        _, args = reduce_tensor(own)
+        try:
+            _, args = reduce_tensor(own)
+        except RuntimeError as e:  # a rank that cannot export still takes part, so no peer waits for it
+            args = f"cuda_ipc: rank {self.rank} cannot share its region '{name}' ({first_line(str(e))})"
         exported: list = [None] * self.world_size
         dist.all_gather_object(exported, args, group=self.group)
-        peers = [own if r == self.rank else self._open(r, name, exported[r]) for r in range(self.world_size)]
+        self._raise_first_error(exported)
+        peers, error = [], None
+        for r in range(self.world_size):
+            try:
+                peers.append(own if r == self.rank else self._open(exported[r]))
+            except RuntimeError as e:
+                error = open_error(self._gpus, self.rank, r, name, str(e))
+                break
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        self._raise_first_error(errors)
         self._own[name] = own
         self._peers[name] = [t[:numel] for t in peers]
         return Region(name, numel, dtype, self._peers[name][self.rank])
 
-    def _open(self, peer: int, name: str, args) -> torch.Tensor:
+    @staticmethod
+    def _raise_first_error(gathered: list) -> None:
+        # `gathered` came from every rank: all raise its first error, the same one, so that none is left
+        # waiting in a later collective for a rank that failed.
+        error = next((x for x in gathered if isinstance(x, str)), None)
+        if error:
+            raise RuntimeError(error)
+
+    def _open(self, args) -> torch.Tensor:
         bound = inspect.signature(rebuild_cuda_tensor).bind(*args)
-        # Map the peer's memory into *this* rank's device: kernels launched here address it directly,
-        # and no CUDA context is created on the peer's GPU in this process.
+        # Map the peer's memory into *this* rank's device, also when the peer's GPU is not visible to this
+        # process (CUDA opens such handles): kernels launched here address it directly, and no CUDA
+        # context is created on the peer's GPU in this process.
         bound.arguments["storage_device"] = self.device.index
         # The producer synchronized before exporting, so there is nothing to wait for.
         bound.arguments["event_sync_required"] = False
-        try:
-            return rebuild_cuda_tensor(*bound.args)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"cuda_ipc: rank {self.rank} cannot map rank {peer}'s region '{name}' on {self.device}: {e}. "
-                "Every rank must see all GPUs of the node and they must support peer access; "
-                "otherwise use the 'nvshmem' transport"
-            ) from e
+        return rebuild_cuda_tensor(*bound.args)
 
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
         n = out.numel()
