@@ -15,7 +15,8 @@ TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 def make_transport(kind: str = "auto", group: dist.ProcessGroup | None = None, **options) -> Transport:
     """Build the transport `kind` over `group` (collective: every rank of the group calls it).
 
-    "auto": shm on CPU; on GPUs cuda_ipc when every rank is on one node, else nvshmem (see select.py).
+    "auto": shm on CPU; on GPUs cuda_ipc when every rank is on one node; a GPU group on several nodes is
+    refused for now (flat NVSHMEM, see select.py): across nodes ODC runs as HSDP, a transport per node.
     `options` go to the GPU transports' constructors (e.g. `staging=` for nvshmem).
     """
     if kind not in TRANSPORTS:

@@ -1,4 +1,5 @@
-"""NVSHMEM transport (nvshmem4py): ranks across nodes.
+"""NVSHMEM transport (nvshmem4py): built for ranks across nodes, offered on one node only for now (a group
+on several nodes is refused, select.flat_nvshmem_error: use HSDP there).
 
 Regions live in NVSHMEM's symmetric heap, so a peer's slice is addressed by the same local address and
 the peer's PE number. `get` is a host-initiated get on the current stream (through a symmetric bounce
@@ -39,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Region, Transport, poll
+from .select import flat_nvshmem_error
 
 HEADER_BYTES = 64  # int64 fields: [0] element offset, [1] numel, [2] dtype code, [3] region id
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -215,6 +218,11 @@ class NvshmemTransport(Transport):
         stall_timeout_s: float = 600.0,
     ):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        hosts: list = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        error = flat_nvshmem_error(hosts)  # the same on every rank, before NVSHMEM starts
+        if error:
+            raise RuntimeError(error)
         if not torch.cuda.is_available():
             raise RuntimeError("the nvshmem transport needs CUDA; on CPU use 'shm'")
         self.cfg = staging or StagingConfig.from_env()

@@ -3,7 +3,8 @@
 CPU tensors use shared memory, which only reaches ranks on the same machine. On GPUs a peer on the
 same node is reachable by CUDA IPC (loads, stores and atomics straight into its memory); a peer on
 another node only through NVSHMEM. One transport serves the whole group, so a group that spans nodes
-uses NVSHMEM for every peer (NVSHMEM itself takes the NVLink path for same-node peers).
+would use NVSHMEM for every peer (NVSHMEM itself takes the NVLink path for same-node peers). That flat
+layout is refused for now (`flat_nvshmem_error`): across nodes ODC runs as HSDP, one group per node.
 """
 
 from __future__ import annotations
@@ -25,8 +26,27 @@ def peer_transports(hostnames: Sequence[str], rank: int, device_type: str) -> li
     return ["cuda_ipc" if host == mine else "nvshmem" for host in hostnames]
 
 
+def flat_nvshmem_error(hostnames: Sequence[str]) -> str | None:
+    """Why one NVSHMEM transport over ranks on several nodes is refused (one line), or None on one node.
+
+    It has only run with one PE, and its accumulates progress only when the owner's host calls the
+    transport (host-side folds and credits), which puts ranks back into lockstep at every layer. The
+    refusal stays until it progresses on the GPU and has been measured with more than one PE.
+    """
+    hosts = sorted(set(hostnames))
+    if len(hosts) < 2:
+        return None
+    named = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
+    return (
+        f"flat ODC across nodes is not offered: one NVSHMEM transport over ranks on {len(hosts)} nodes ({named}) "
+        "has never run with more than one PE and drives its accumulates from the host; set fsdp_size to the "
+        "GPUs per node (HSDP: ODC inside each node, one all-reduce across nodes per mini-batch)"
+    )
+
+
 def choose_transport(hostnames: Sequence[str], device_type: str) -> str:
-    """The one transport for the whole group: the same answer on every rank, given the same inputs."""
+    """The one transport for the whole group: the same answer on every rank, given the same inputs.
+    A GPU group on several nodes gets flat_nvshmem_error's ValueError."""
     if not hostnames:
         raise ValueError("no ranks given")
     kinds = {k for rank in range(len(hostnames)) for k in peer_transports(hostnames, rank, device_type)}
@@ -35,7 +55,9 @@ def choose_transport(hostnames: Sequence[str], device_type: str) -> str:
             hosts = sorted(set(hostnames))
             raise ValueError(f"ODC on CPU needs every rank on one machine (shared memory); the group spans {hosts}")
         return "shm"
-    return "nvshmem" if "nvshmem" in kinds else "cuda_ipc"
+    if "nvshmem" in kinds:
+        raise ValueError(flat_nvshmem_error(hostnames))
+    return "cuda_ipc"
 
 
 def group_device_type(group=None) -> str:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import torch
@@ -27,6 +28,17 @@ def make_on_cpu(rank, world_size):
         except (RuntimeError, TypeError) as e:
             out[kind] = f"{type(e).__name__}: {e}"
     return out
+
+
+def nvshmem_on_nodes(rank, world_size, hosts):
+    """make_transport("nvshmem") with rank r pretending to run on node hosts[r] (nodes simulated on one
+    machine); returns the error it raised."""
+    socket.gethostname = lambda: hosts[rank]
+    try:
+        make_transport("nvshmem")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
 def _use_gpu(rank):
