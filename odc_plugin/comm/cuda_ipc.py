@@ -110,6 +110,12 @@ class CudaIpcTransport(Transport):
         bound.arguments["event_sync_required"] = False
         return rebuild_cuda_tensor(*bound.args)
 
+    def peer_tensor(self, region: Region, peer: int) -> torch.Tensor:
+        """`peer`'s slice of `region`, mapped on this rank's device: kernels launched here read and write
+        it directly (benchmarks/bench_transport_gpu.py measures other accumulate designs through it)."""
+        self._check_range(region, peer, 0, 0)
+        return self._peers[region.name][peer]
+
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
         n = out.numel()
         self._check_range(region, peer, offset, n)

@@ -45,7 +45,7 @@ def _tiles_kernel(dst_ptr, src_ptr, n, tiles, first, TILE: tl.constexpr, OP: tl.
     lanes = tl.arange(0, TILE)
     i = tl.program_id(0)
     while i < tiles:
-        offs = ((i + first) % tiles).to(tl.int64) * TILE + lanes
+        offs = tl.multiple_of(((i + first) % tiles).to(tl.int64) * TILE, TILE) + lanes
         mask = offs < n
         x = tl.load(src_ptr + offs, mask=mask, other=0.0)
         if OP == 0:

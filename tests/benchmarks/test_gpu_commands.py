@@ -1,0 +1,83 @@
+"""The GPU checklist's commands (docs/gpu.md) on a machine without a GPU: each benchmark command's
+arguments parse, the benchmarks import without a GPU or Triton, and say so instead of measuring."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def checklist_commands() -> list[list[str]]:
+    """The `python benchmarks/...` commands of docs/gpu.md's checklist block, as argument lists."""
+    block = re.search(r"## The GPU checklist.*?```\n(.*?)```", (ROOT / "docs" / "gpu.md").read_text(), re.S)
+    lines = [line.removeprefix("PYTHONPATH=. ") for line in block.group(1).splitlines()]
+    return [shlex.split(line)[1:] for line in lines if line.startswith("python benchmarks/")]
+
+
+def load(script: str):
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_command_of_the_checklist_parses():
+    commands = checklist_commands()
+    assert [Path(c[0]).name for c in commands] == ["bench_transport_gpu.py", "bench_odc_core.py", "calibrate_cost.py"]
+    for command in commands:
+        # --help last: argparse has checked every argument before it when it prints the help and exits 0
+        out = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.startswith("usage:"), (command, out.stderr[-2000:])
+
+
+def test_the_transport_benchmark_reads_its_arguments():
+    bench = load("bench_transport_gpu.py")
+    (command,) = [c for c in checklist_commands() if c[0].endswith("bench_transport_gpu.py")]
+    args = bench.parse_args(command[1:])
+    assert (args.gib, args.worlds, args.programs) == (1.0, [2, 3], [16, 32, 64])
+    assert bench.kernel_names(args.programs) == [
+        "old",
+        "new/16",
+        "new/32",
+        "new/64",
+        "slots/16",
+        "slots/32",
+        "slots/64",
+    ]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--programs", "0"])
+
+
+def test_the_core_benchmark_reads_its_arguments_and_reports_memory():
+    bench = load("bench_odc_core.py")
+    (command,) = [c for c in checklist_commands() if c[0].endswith("bench_odc_core.py")]
+    args = bench.parse_args(command[1:])
+    assert args.model_size == ["Qwen2.5-0.5B", "Qwen2.5-1.5B"] and args.rows == ("fsdp2+lb_micro", "odc+lb_micro")
+    assert args.device == "cuda" and args.ranks == 1 and args.forward_only
+    assert bench.parse_args(["--rows", "odc+lb_mini", "fsdp2+lb_micro"]).rows == ("fsdp2+lb_micro", "odc+lb_mini")
+    gib = 1 << 30
+    memory = {
+        "fsdp2+lb_micro": {"held": 2 * gib, "kept": 4 * gib, "rise": gib},
+        "odc+lb_micro": {"held": 2 * gib + 3 * 2**20, "kept": 4 * gib, "rise": gib},
+    }
+    assert bench.memory_line(memory, 2**20) == (
+        "  memory GiB: fsdp2+lb_micro held 2.00, peak 7.00; "
+        "odc+lb_micro held 2.00 (+3.00 B/param over fsdp2+lb_micro), peak 7.00"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU prints")
+def test_without_a_gpu_the_benchmarks_say_nothing_was_measured():
+    for command in checklist_commands()[:2]:
+        out = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 1 and "Nothing was measured." in out.stderr, (command, out.stderr[-2000:])
