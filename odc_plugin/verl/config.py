@@ -47,12 +47,23 @@ class ODCEngineConfig(FSDPEngineConfig):
     """How long a rank waits for the others (at the end of a mini-batch, or for a peer's shards) before
     it fails naming the ranks that did not arrive."""
 
+    odc_lockstep: bool = False
+    """A baseline, not a speed-up: a barrier before every gather and scatter, so the ranks move layer by
+    layer as under FSDP, on ODC's own transport and code, every rank packing as many micro-batches as the
+    busiest (verl's same_micro_num_in_dp). Against it, `odc` measures what removing FSDP's lockstep buys
+    on one transport (`odc-grpo-cpu --compare fsdp2,lockstep,odc`). Needs `odc_balancer=lb_micro`."""
+
     def __post_init__(self):
         # FSDPEngineConfig's own check allows only its strategies; everything else it checks is EngineConfig's.
         EngineConfig.__post_init__(self)
         for name, hint in ODCEngineConfig.__annotations__.items():
             if get_origin(hint) is Literal:
                 _check_choice(name, getattr(self, name), get_args(hint))
+        if self.odc_lockstep and self.odc_balancer != "lb_micro":
+            raise ValueError(
+                f"odc_lockstep=True runs every rank through the same micro-batch steps, as FSDP does: it needs "
+                f"odc_balancer=lb_micro, got {self.odc_balancer!r}"
+            )
         if not self.odc_barrier_timeout_s > 0:
             raise ValueError(f"odc_barrier_timeout_s must be > 0, got {self.odc_barrier_timeout_s}")
         if min(self.odc_cost_fit_a, self.odc_cost_fit_b) < 0 or self.odc_cost_fit_a == self.odc_cost_fit_b == 0:

@@ -82,7 +82,11 @@ class _ODCEngineMixin:
         with _built_as_fsdp2(self.engine_config):
             module = super()._build_fsdp_module(module)
         transport = make_transport(odc_config.odc_transport, group=shard_group(module))
-        self.odc = apply_odc(module, transport, ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s))
+        self.odc = apply_odc(
+            module,
+            transport,
+            ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s, lockstep=odc_config.odc_lockstep),
+        )
         self.odc_time_fit = (
             OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
         )
@@ -139,7 +143,11 @@ class _ODCEngineMixin:
         self._fold_metrics_over_ranks(output["metrics"])
         output["metrics"].update(self._odc_metrics(stats, len(micro_batches)))
         if clock.timed:
-            output["metrics"].update(self._refit(clock.seconds()))
+            # the fit after the update's last mini-batch (verl marks it for its lr scheduler) plans the next
+            # step: reported for every mini-batch, verl's metric reduction would hand the trainer their mean
+            last = tu.get_non_tensor_data(data=data, key="update_lr_scheduler", default=True)
+            fit = self._refit(clock.seconds())
+            output["metrics"].update(fit if last else {})
         if self.expert_routing is not None and not forward_only:
             output["metrics"].update(self._routing_metrics())
         return output
@@ -155,7 +163,11 @@ class _ODCEngineMixin:
         width, is refused when the trainer plans (patches/lb_mini_dispatch.py).
         """
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-            return prepare_micro_batches(data=data, same_micro_num_in_dp=False)
+            # the lockstep baseline runs every rank through as many micro-batches as the busiest, as fsdp2 does
+            lockstep = self.odc.config.lockstep
+            return prepare_micro_batches(
+                data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=lockstep
+            )
         group = tu.get_non_tensor_data(data=data, key="force_group_size", default=1)
         if len(data) % group:
             raise ValueError(

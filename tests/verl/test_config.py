@@ -262,6 +262,8 @@ def test_engine_odc_option_in_a_role_config_of_your_own(base, tmp_path):
         ("actor_rollout_ref.actor.fsdp_config.odc_barrier_timeout_s=0", "odc_barrier_timeout_s"),
         ("+actor_rollout_ref.actor.fsdp_config.odc_foo=1", "odc_foo"),
         ("critic.fsdp.odc_cost_model=bytes", "odc_cost_model"),
+        # the lockstep baseline runs verl's equal split; LB-Mini's uneven counts cannot move in lockstep
+        ("actor_rollout_ref.actor.fsdp_config.odc_lockstep=True", "odc_lockstep"),
     ],
 )
 def test_wrong_option_fails_validation_naming_the_key(base, override, key):
