@@ -14,8 +14,9 @@ An accumulate into a peer's shard can be built two ways, and the element-wise ke
   accumulator locally (`add`): no atomics, but an owner that must take part. What the nvshmem transport
   does across nodes (with its own header-driven fold, `fold_slot`), and the paper authors' design.
 Launches follow tiling.plan_tiles: a bounded grid, a grid-stride loop and a start per sender. A thread
-handles contiguous elements, so Triton emits 128-bit loads and stores when both pointers are 16-byte
-aligned and the count a multiple of 16 (it specializes every launch on that).
+handles contiguous elements of a tile and full tiles take no mask, so when both pointers are 16-byte
+aligned (Triton specializes every launch on that) the accesses are 128 bits wide, atomics included on
+Hopper (tests/comm/test_kernels_ptx.py compiles them for sm_90 and reads the PTX).
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ ATOMIC_ADD, ADD, STORE = 0, 1, 2  # what `_tiles_kernel` does with each element 
 WARPS = 8  # 256 threads: 16 contiguous elements each in a tile of 4096
 
 
+@triton.jit
+def _tile(dst_ptrs, src_ptrs, mask, OP: tl.constexpr, SCOPE: tl.constexpr):
+    x = tl.load(src_ptrs, mask=mask)
+    if OP == 0:
+        # Relaxed: each element only needs to be added exactly once; ordering against the barrier flag is
+        # established afterwards (kernel completion + host synchronize, then a release store of the flag).
+        # Scope "sys" when dst may be another GPU's memory: a device-scope atomic is only atomic against
+        # threads of the issuing GPU, while other GPUs add into the same words at the same time.
+        tl.atomic_add(dst_ptrs, x.to(tl.float32), mask=mask, sem="relaxed", scope=SCOPE)
+    elif OP == 1:
+        tl.store(dst_ptrs, tl.load(dst_ptrs, mask=mask) + x.to(tl.float32), mask=mask)
+    else:
+        tl.store(dst_ptrs, x, mask=mask)  # converted to dst's dtype by the store
+
+
 @triton.jit(do_not_specialize=["tiles", "first"])
 def _tiles_kernel(dst_ptr, src_ptr, n, tiles, first, TILE: tl.constexpr, OP: tl.constexpr, SCOPE: tl.constexpr):
     # Program p handles tiles first + p, first + p + P, ... (P programs, wrapping around at `tiles`):
@@ -45,20 +61,14 @@ def _tiles_kernel(dst_ptr, src_ptr, n, tiles, first, TILE: tl.constexpr, OP: tl.
     lanes = tl.arange(0, TILE)
     i = tl.program_id(0)
     while i < tiles:
-        offs = tl.multiple_of(((i + first) % tiles).to(tl.int64) * TILE, TILE) + lanes
-        mask = offs < n
-        x = tl.load(src_ptr + offs, mask=mask, other=0.0)
-        if OP == 0:
-            # Relaxed: each element only needs to be added exactly once; ordering against the barrier flag
-            # is established afterwards (kernel completion + host synchronize, then a release store of the
-            # flag). Scope "sys" when dst may be another GPU's memory: a device-scope atomic is only atomic
-            # against threads of the issuing GPU, while other GPUs add into the same words at the same time.
-            tl.atomic_add(dst_ptr + offs, x.to(tl.float32), mask=mask, sem="relaxed", scope=SCOPE)
-        elif OP == 1:
-            y = tl.load(dst_ptr + offs, mask=mask, other=0.0)
-            tl.store(dst_ptr + offs, y + x.to(tl.float32), mask=mask)
+        start = tl.multiple_of(((i + first) % tiles).to(tl.int64) * TILE, TILE)
+        offs = start + lanes
+        # Full tiles without a mask: a mask by `n` would keep Triton from vector accesses unless n is
+        # a multiple of 16; only the last, ragged tile pays for it.
+        if start + TILE <= n:
+            _tile(dst_ptr + offs, src_ptr + offs, None, OP, SCOPE)
         else:
-            tl.store(dst_ptr + offs, x, mask=mask)  # converted to dst's dtype by the store
+            _tile(dst_ptr + offs, src_ptr + offs, offs < n, OP, SCOPE)
         i += programs
 
 
