@@ -11,8 +11,9 @@ An accumulate into a peer's shard can be built two ways, and the element-wise ke
   atomic adds; the owner does nothing. What the cuda_ipc transport does.
 - per-source slots folded by the owner: each sender writes its contribution, in its own dtype, into its
   own slot in the owner's memory with plain stores (`store`), and the owner adds its slots into the
-  accumulator locally (`add`): no atomics, but an owner that must take part. What the nvshmem transport
-  does across nodes (with its own header-driven fold, `fold_slot`), and the paper authors' design.
+  accumulator locally (`add`): no atomics, but an owner that must take part. The paper authors' design,
+  and what the nvshmem transport does (NVSHMEM has no remote float atomics; its fold, `fold_slot`, reads
+  a header that says where to add).
 Launches follow tiling.plan_tiles: a bounded grid, a grid-stride loop and a start per sender. A thread
 handles contiguous elements of a tile and full tiles take no mask, so when both pointers are 16-byte
 aligned (Triton specializes every launch on that) the accesses are 128 bits wide, atomics included on
