@@ -23,6 +23,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "hf_rollout_registry",
     "cpu_slow_rank",
     "cpu_ulysses_sdpa",
+    "cpu_batch_order",
 )
 
 

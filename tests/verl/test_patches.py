@@ -318,6 +318,7 @@ def test_cpu_patch_list():
         "hf_rollout_registry",
         "cpu_slow_rank",
         "cpu_ulysses_sdpa",
+        "cpu_batch_order",
     )
     for name in CPU_PATCHES:
         patch = getattr(odc_patches, name)
