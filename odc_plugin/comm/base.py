@@ -6,6 +6,14 @@ region* (the same size on every rank); any rank may read a peer's slice (`get`) 
 
 Set-up (`alloc`) is collective and runs outside mini-batches; `get`, `accumulate` and `barrier` never
 call a collective on the process group, which is what lets ranks drift apart between barriers.
+
+Failures. A rank whose work fails posts a failure notice in its own slice of a region every transport
+sets up (`announce_failure`); every wait of its peers reads the notices and raises ODCPeerFailedError
+instead of waiting out its timeout. The ranks then meet once more (`recover`): once every rank is there,
+none issues anything of the failed work any more (every earlier accumulate has landed, as at a barrier),
+so each may reset what that work touched; the notices are then complete, and the ranks move to a new
+*round* together. Notices and barrier epochs carry the round, so a notice of a round already recovered
+from is never raised again, and a barrier never counts a peer that left its round for the recovery.
 """
 
 from __future__ import annotations
@@ -23,11 +31,31 @@ class ODCTimeoutError(RuntimeError):
 
 
 class ODCPeerFailedError(RuntimeError):
-    """A peer announced that its mini-batch failed (`Transport.fail`); names it and what it raised."""
+    """A peer announced that its mini-batch failed (`Transport.announce_failure`); names it and what it raised."""
 
 
-# A failure notice: a count of the failures a rank announced, then up to 8 * 63 bytes of their message.
-FAILURE_NOTICE_WORDS = 64
+# A failure notice: its round + 1 (0: none), when it was posted (time.time_ns(), which orders concurrent
+# failures), then up to 8 * 62 bytes of its message. Each rank has two, used by alternate rounds: a rank
+# already in the next round may post while a slower peer still reads the notices of the last one.
+NOTICE_WORDS = 64
+_HEADER_WORDS = 2
+# Barrier epochs: round r's barriers are (r << ROUND_SHIFT) + 1, + 2, ...; its recovery meeting is
+# (r + 1) << ROUND_SHIFT, the base of the next round.
+ROUND_SHIFT = 32
+
+
+@dataclass(frozen=True)
+class FailureNotice:
+    """One rank's announcement that its part of the current round failed."""
+
+    rank: int
+    time_ns: int
+    message: str
+
+
+def first_failure(notices: list[FailureNotice]) -> FailureNotice:
+    """The failure every rank names: the earliest posted, the lower rank on a tie."""
+    return min(notices, key=lambda n: (n.time_ns, n.rank))
 
 
 def poll(ready: Callable[[], bool], timeout_s: float, error: Callable[[], str]) -> None:
@@ -53,19 +81,19 @@ class Region:
 
 
 class Transport(abc.ABC):
-    """One-sided get / accumulate over symmetric regions, plus a timed barrier."""
+    """One-sided get / accumulate over symmetric regions, a timed barrier, and failure notices."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
-        # Transports that set up a failure notice (`_alloc_failure_notices`) let a failing rank tell its
-        # peers at once; the others leave them to time out.
-        self._failures: Region | None = None
-        self._failures_seen = [0] * world_size
+        self._notices: Region | None = None  # every transport sets them up (_alloc_failure_notices)
+        self._round = 0  # failed rounds recovered from: the same on every rank between recoveries
+        self._epoch = 0  # the last barrier's
+        self._recovering = False
 
     def _alloc_failure_notices(self) -> None:
-        """Collective, at set-up: one failure notice per rank (see `fail`)."""
-        self._failures = self.alloc("odc.failure", FAILURE_NOTICE_WORDS, torch.int64)
+        """Collective, at the end of every transport's set-up: the two failure notices of each rank."""
+        self._notices = self.alloc("odc.failure", 2 * NOTICE_WORDS, torch.int64)
 
     @abc.abstractmethod
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
@@ -87,8 +115,28 @@ class Transport(abc.ABC):
     def barrier(self, timeout_s: float) -> None:
         """Wait until every rank arrives, with every earlier accumulate visible to its owner.
 
-        Raises ODCTimeoutError naming the missing ranks after `timeout_s` seconds.
+        Raises ODCTimeoutError naming the missing ranks after `timeout_s` seconds, and ODCPeerFailedError
+        as soon as a peer announces a failure. Implementations meet at epoch `self._next_epoch()` and count
+        a peer as there when `arrived(its word, epoch)`.
         """
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    @staticmethod
+    def arrived(word: int, epoch: int) -> bool:
+        """Whether a peer whose arrival word reads `word` has reached barrier `epoch`: at or past it within
+        the same round. A peer that left the round for its recovery meeting has not, whatever the number."""
+        return epoch <= word < ((epoch >> ROUND_SHIFT) + 1) << ROUND_SHIFT
+
+    @staticmethod
+    def barrier_name(epoch: int) -> str:
+        """How errors name barrier `epoch`: "ODC barrier #3" in the first round, with its round after that."""
+        round_, k = divmod(epoch, 1 << ROUND_SHIFT)
+        if k == 0:
+            return f"ODC recovery meeting #{round_}"
+        return f"ODC barrier #{k}" + (f" of round {round_}" if round_ else "")
 
     def wait_at_least(self, region: Region, peer: int, offset: int, value: int, timeout_s: float, what: str) -> None:
         """Wait until an int64 flag in `peer`'s slice reaches `value`; `what` names the wait in the error.
@@ -119,48 +167,79 @@ class Transport(abc.ABC):
             waiting_on,
             timeout_s,
             lambda: (
-                f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; rank(s) {last} did not arrive"
+                f"rank {self.rank}: {self.barrier_name(epoch)} timed out after {timeout_s:g}s; "
+                f"rank(s) {last} did not arrive"
             ),
         )
 
     def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
         """Return once `waiting_on()` is None; until then it names a peer whose flag this rank still waits
         for. Raises ODCTimeoutError(error()) after `timeout_s`, and ODCPeerFailedError as soon as a peer
-        announces a failure (`fail`). Between checks the rank sleeps (here with growing pauses; a transport
-        that can be woken sleeps until that peer changes a flag)."""
+        announces a failure (outside a recovery, whose very point is that they did). Between checks the rank
+        sleeps (here with growing pauses; a transport that can be woken sleeps until that peer changes a flag)."""
 
         def ready() -> bool:
-            self.raise_if_a_peer_failed()
+            self._raise_unless_recovering()
             return waiting_on() is None
 
         poll(ready, timeout_s, error)
 
-    def fail(self, message: str) -> None:
-        """Announce that this rank's mini-batch failed with `message`: every peer waiting for it, now or
-        later, raises ODCPeerFailedError naming this rank and the message. A no-op on transports without
-        failure notices."""
-        if self._failures is None:
-            return
-        room = 8 * (FAILURE_NOTICE_WORDS - 1)
+    def _raise_unless_recovering(self) -> None:
+        if not self._recovering:
+            self.raise_if_a_peer_failed()
+
+    def announce_failure(self, message: str) -> None:
+        """Announce that this rank's part of the current round failed with `message`: every peer waiting,
+        now or later in the round, raises ODCPeerFailedError naming this rank. The ranks then `recover`."""
+        slot = (self._round % 2) * NOTICE_WORDS
+        room = 8 * (NOTICE_WORDS - _HEADER_WORDS)
         text = message.encode("utf-8", errors="replace")[:room].ljust(room, b"\0")
-        self._failures.local[1:] = torch.frombuffer(bytearray(text), dtype=torch.int64).to(self._failures.local.device)
-        self.signal(self._failures, 0, int(self._failures.local[0]) + 1)
+        local = self._notices.local
+        local[slot + 1] = time.time_ns()
+        local[slot + _HEADER_WORDS : slot + NOTICE_WORDS] = torch.frombuffer(bytearray(text), dtype=torch.int64).to(
+            local.device
+        )
+        # The round word last, after the rest of the notice (`signal` orders it after this rank's writes).
+        self.signal(self._notices, slot, self._round + 1)
+
+    def failures(self) -> list[FailureNotice]:
+        """The failure notices of the current round, this rank's own included."""
+        slot = (self._round % 2) * NOTICE_WORDS
+        device = self._notices.local.device
+        head = torch.empty(1, dtype=torch.int64, device=device)
+        notices = []
+        for peer in range(self.world_size):
+            self.get(self._notices, peer, slot, head)
+            if int(head.item()) != self._round + 1:
+                continue
+            notice = torch.empty(NOTICE_WORDS, dtype=torch.int64, device=device)
+            self.get(self._notices, peer, slot, notice)
+            words = notice.cpu()
+            text = words[_HEADER_WORDS:].numpy().tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
+            notices.append(FailureNotice(peer, int(words[1]), text))
+        return notices
 
     def raise_if_a_peer_failed(self) -> None:
-        """Raise ODCPeerFailedError for a failure a peer announced since this rank last saw one of its."""
-        if self._failures is None:
-            return
-        notice = torch.empty(FAILURE_NOTICE_WORDS, dtype=torch.int64, device=self._failures.local.device)
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
-            self.get(self._failures, peer, 0, notice[:1])
-            count = int(notice[0])
-            if count > self._failures_seen[peer]:
-                self._failures_seen[peer] = count
-                self.get(self._failures, peer, 0, notice)
-                message = notice[1:].cpu().numpy().tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
-                raise ODCPeerFailedError(f"rank {self.rank}: rank {peer} failed in its mini-batch: {message}")
+        """Raise ODCPeerFailedError if a peer announced a failure in the current round."""
+        theirs = [n for n in self.failures() if n.rank != self.rank]
+        if theirs:
+            first = first_failure(theirs)
+            raise ODCPeerFailedError(f"rank {self.rank}: rank {first.rank} failed in its mini-batch: {first.message}")
+
+    def recover(self, timeout_s: float) -> list[FailureNotice]:
+        """Collective, after a failure was announced: meet every rank, none of which issues anything of the
+        failed round any more, then move to the next round. Returns the round's failure notices, complete
+        (each failing rank posted its own before it came here). Raises ODCTimeoutError naming the ranks
+        that did not come within `timeout_s`."""
+        self._epoch = ((self._round + 1) << ROUND_SHIFT) - 1
+        self._recovering = True
+        try:
+            self.barrier(timeout_s)
+        finally:
+            self._recovering = False
+        notices = self.failures()
+        self._round += 1
+        return notices
 
     def signal(self, region: Region, offset: int, value: int) -> None:
         """Set an int64 flag in this rank's own slice, after every transfer this rank issued before it;

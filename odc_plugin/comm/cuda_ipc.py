@@ -18,6 +18,8 @@ Ordering, and why it holds without luck:
   are released; the owner leaves the barrier only after seeing every flag, so kernels it launches
   afterwards (reading its accumulator) start after every peer's adds were performed in its memory.
 - concurrent writers: adds into one word from several GPUs are atomic at system scope; no locks.
+- failure notices (base.py) are a region like any other: a rank posts its own with a local store
+  after a device synchronize, peers read them with `get` in their waits.
 
 Needs: Triton (the `gpu` extra), every rank on one node, peer access between the GPUs, with native P2P
 atomics (NVLink) when ranks are on different GPUs, and no expandable_segments in torch's allocator
@@ -62,7 +64,7 @@ class CudaIpcTransport(Transport):
         self._barrier_stream = torch.cuda.Stream(self.device)
         self._arrivals = self.alloc(_BARRIER, self.world_size, torch.int64)
         self._arrivals_host = torch.zeros(self.world_size, dtype=torch.int64, pin_memory=True)
-        self._epoch = 0
+        self._alloc_failure_notices()
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         if name in self._peers:
@@ -132,7 +134,7 @@ class CudaIpcTransport(Transport):
         self._kernels.accumulate(dst, src, scope="sys", sender=self.rank, senders=self.world_size)
 
     def barrier(self, timeout_s: float) -> None:
-        self._epoch += 1
+        epoch = self._next_epoch()
         # Host-synchronizing the device waits for every stream this rank enqueued gets and accumulates on
         # (FSDP's all-gather and reduce-scatter streams included), so every atomic add has been performed
         # in its owner's memory before the flag below is written.
@@ -140,17 +142,17 @@ class CudaIpcTransport(Transport):
         with torch.cuda.stream(self._barrier_stream):
             for peer in range(self.world_size):
                 # Release store at system scope: a peer that reads this epoch also sees every write above.
-                self._kernels.store_release(self._peers[_BARRIER][peer][self.rank : self.rank + 1], self._epoch)
+                self._kernels.store_release(self._peers[_BARRIER][peer][self.rank : self.rank + 1], epoch)
 
         def missing() -> list[int]:
             with torch.cuda.stream(self._barrier_stream):
                 self._arrivals_host.copy_(self._arrivals.local, non_blocking=True)
             self._barrier_stream.synchronize()
-            return [r for r in range(self.world_size) if int(self._arrivals_host[r]) < self._epoch]
+            return [r for r in range(self.world_size) if not self.arrived(int(self._arrivals_host[r]), epoch)]
 
         # Once none is missing, every peer's adds into this rank's memory completed before its flag was
         # released, and kernels launched from here on start after this host observation: they read final sums.
-        self.wait_for_arrivals(missing, self._epoch, timeout_s)
+        self.wait_for_arrivals(missing, epoch, timeout_s)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

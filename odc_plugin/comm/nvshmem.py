@@ -27,6 +27,9 @@ owner instead:
   every owner, with one put-with-signal, how many slots it was sent in all (signal = epoch). An owner
   leaves the barrier only after every rank arrived and it folded exactly that many slots from each, so
   after the barrier every accumulate is in the owner's accumulator.
+- failure notices (base.py): a symmetric region like any other, posted by a local store and read with
+  `get` (which also folds). The recovery meeting after a failure is a barrier, so it also waits until
+  every slot sent in the failed round is folded before any rank resets its accumulator.
 
 The symmetric heap must hold the regions plus the staging: NVSHMEM_SYMMETRIC_SIZE (read by NVSHMEM at
 start-up) must be set before the process starts; `heap_bytes_needed` says how much, and running out is
@@ -257,8 +260,8 @@ class NvshmemTransport(Transport):
         self._sent = [0] * W  # slots this rank put into each owner's inbox
         self._credit = [0] * W  # slots each owner reported folded (max seen)
         self._folded = [0] * W  # slots this rank folded from each sender
-        self._epoch = 0
         self._publish_zeroed()
+        self._alloc_failure_notices()
 
     # -- symmetric memory -------------------------------------------------------------------------
 
@@ -447,7 +450,7 @@ class NvshmemTransport(Transport):
     # -- waits ------------------------------------------------------------------------------------
 
     def barrier(self, timeout_s: float) -> None:
-        self._epoch += 1
+        epoch = self._next_epoch()
         W, aux = self.world_size, self._aux_stream
         # Every put this rank enqueued has run (puts on the stream are locally complete) ...
         torch.cuda.synchronize(self.device)
@@ -462,7 +465,7 @@ class NvshmemTransport(Transport):
                     self._word(self._EXPECT + self.rank),
                     self._word(self._COUNT_OUT + owner),
                     self._word(self._ARRIVE + self.rank),
-                    self._epoch,
+                    epoch,
                     self._nv.SignalOp.SIGNAL_SET,
                     remote_pe=owner,
                     stream=self._stream(aux),
@@ -471,13 +474,13 @@ class NvshmemTransport(Transport):
 
         def missing() -> list[int]:
             snap = self._progress()
-            return [r for r in range(W) if snap[self._ARRIVE + r] < self._epoch]
+            return [r for r in range(W) if not self.arrived(snap[self._ARRIVE + r], epoch)]
 
-        self.wait_for_arrivals(missing, self._epoch, timeout_s)
+        self.wait_for_arrivals(missing, epoch, timeout_s)
         with torch.cuda.stream(aux):
             for r in range(W):  # acquire each arrival before reading the count that came with it
                 self._nv.signal_wait(
-                    self._word(self._ARRIVE + r), self._epoch, self._nv.ComparisonType.CMP_GE, stream=self._stream(aux)
+                    self._word(self._ARRIVE + r), epoch, self._nv.ComparisonType.CMP_GE, stream=self._stream(aux)
                 )
         expect = self._snapshot()[self._EXPECT : self._EXPECT + W]  # runs on `aux`, after the waits
         behind: list[int] = []
@@ -491,7 +494,7 @@ class NvshmemTransport(Transport):
             folded_all,
             max(deadline - time.monotonic(), 0.0),
             lambda: (
-                f"rank {self.rank}: ODC barrier #{self._epoch} timed out after {timeout_s:g}s; accumulates "
+                f"rank {self.rank}: {self.barrier_name(epoch)} timed out after {timeout_s:g}s; accumulates "
                 f"from rank(s) {behind} were announced but never arrived"
             ),
         )

@@ -70,7 +70,6 @@ class ShmTransport(Transport):
         self._doorbells = self.alloc("odc.doorbell", 1, torch.int32)
         self._arrivals = self.alloc("odc.barrier", 1, torch.int64)
         self._alloc_failure_notices()
-        self._epoch = 0
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         if name in self._mappings:
@@ -141,7 +140,7 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout_s
         bells = self._peer_tensors["odc.doorbell"]
         while True:
-            self.raise_if_a_peer_failed()
+            self._raise_unless_recovering()
             if (peer := waiting_on()) is None:
                 return
             # Read the doorbell before checking again: a flag raised after that check also rings after
@@ -161,15 +160,14 @@ class ShmTransport(Transport):
         # or fail) happen under one lock, so a late arrival is either seen by the rank that would give up,
         # or sees that it gave up. Accumulates finished under their own lock before the arrival;
         # unlocking is a system call, so the adds are in memory before any peer can see the epoch.
-        self._epoch += 1
-        epoch, words = self._epoch, [t[0] for t in self._peer_tensors["odc.barrier"]]
+        epoch, words = self._next_epoch(), [t[0] for t in self._peer_tensors["odc.barrier"]]
         decision_lock = (self._mappings["odc.barrier"][0].fd, 0, 8)
         with self._locked(*decision_lock):
             self._arrivals.local[0] = epoch
         self._ring()
 
         def missing() -> list[int]:
-            return [r for r, word in enumerate(words) if 0 <= int(word) < epoch]
+            return [r for r, word in enumerate(words) if int(word) >= 0 and not self.arrived(int(word), epoch)]
 
         with contextlib.suppress(ODCTimeoutError):
             self.wait_until(lambda: next(iter(missing()), None), timeout_s, lambda: "")
@@ -181,11 +179,12 @@ class ShmTransport(Transport):
         if late:
             self._ring()
             raise ODCTimeoutError(
-                f"rank {self.rank}: ODC barrier #{epoch} timed out after {timeout_s:g}s; rank(s) {late} did not arrive"
+                f"rank {self.rank}: {self.barrier_name(epoch)} timed out after {timeout_s:g}s; "
+                f"rank(s) {late} did not arrive"
             )
         if gave_up:
             raise ODCTimeoutError(
-                f"rank {self.rank}: ODC barrier #{epoch} failed: rank(s) {gave_up} timed out "
+                f"rank {self.rank}: {self.barrier_name(epoch)} failed: rank(s) {gave_up} timed out "
                 f"waiting at it and gave up before every rank arrived"
             )
 

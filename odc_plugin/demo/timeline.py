@@ -134,6 +134,19 @@ class TimedTransport(Transport):
     def barrier(self, timeout_s):
         self.clock.timed(BARRIER, self.inner.barrier, timeout_s)
 
+    # Failure notices and recovery are the inner transport's: its waits read them, and so do these.
+    def announce_failure(self, message):
+        self.inner.announce_failure(message)
+
+    def failures(self):
+        return self.inner.failures()
+
+    def raise_if_a_peer_failed(self):
+        self.inner.raise_if_a_peer_failed()
+
+    def recover(self, timeout_s):
+        return self.clock.timed(BARRIER, self.inner.recover, timeout_s)
+
     def signal(self, region, offset, value):
         self.inner.signal(region, offset, value)
 

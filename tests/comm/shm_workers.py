@@ -38,3 +38,46 @@ def bad_ranges(rank, world_size):
         except ValueError as e:
             errors.append(str(e))
     return errors
+
+
+def failure_rounds(rank, world_size):
+    """Round 0: ranks 0 and 2 wait at a barrier that rank 1 never reaches: it adds into rank 0, then
+    announces a failure. Everyone recovers. Round 1: a barrier passes (the round-0 notice is not raised
+    again, though ranks 0 and 2 counted one barrier more than rank 1); ranks 2 then 0 fail while rank 1
+    waits; everyone recovers. Round 2: a barrier passes. Returns what each rank saw."""
+    import time
+
+    from odc_plugin.comm import ODCPeerFailedError
+
+    t = make_transport("shm")
+    acc = t.alloc("acc", 4, torch.float32)
+    t.barrier(30)
+    seen = {}
+
+    def wait_at_barrier():
+        start = time.monotonic()
+        try:
+            t.barrier(600)
+            return "passed", time.monotonic() - start
+        except ODCPeerFailedError as e:
+            return str(e), time.monotonic() - start
+
+    if rank == 1:
+        time.sleep(0.2)
+        t.accumulate(acc, 0, 0, torch.ones(4))  # in flight when it fails: rank 0 must see it after recovery
+        t.announce_failure("RuntimeError: first")
+    else:
+        seen["round 0"] = wait_at_barrier()
+    seen["notices 0"] = [(n.rank, n.message) for n in t.recover(30)]
+    seen["accumulator"] = acc.local.tolist()
+    t.barrier(30)
+    if rank == 1:
+        seen["round 1"] = wait_at_barrier()
+    else:
+        time.sleep(0.2 if rank == 2 else 0.4)
+        t.announce_failure(f"ValueError: from rank {rank}")
+    seen["notices 1"] = sorted((n.rank, n.message) for n in t.recover(30))
+    t.barrier(30)
+    seen["round 2"] = "passed"
+    t.close()
+    return seen

@@ -43,3 +43,38 @@ def test_unknown_transport_is_a_clear_error():
 
     with pytest.raises(ValueError, match="unknown ODC transport 'tcp'"):
         make_transport("tcp")
+
+
+def test_a_failure_notice_fails_the_waiting_peers_at_once_and_recovery_starts_a_clean_round():
+    results = run_ranks(shm_workers.failure_rounds, 3)
+    for rank in (0, 2):
+        message, elapsed = results[rank]["round 0"]
+        assert message == f"rank {rank}: rank 1 failed in its mini-batch: RuntimeError: first", message
+        assert elapsed < 5, elapsed  # the barrier's timeout is 600 s
+    # after the meeting every rank reads the same notices, and the add rank 1 made before failing has landed
+    assert all(r["notices 0"] == [(1, "RuntimeError: first")] for r in results)
+    assert results[0]["accumulator"] == [1.0] * 4
+    # round 1: the round-0 notice is gone; the barrier rank 1 waits at fails naming a round-1 failure
+    message, elapsed = results[1]["round 1"]
+    assert message.startswith("rank 1: rank ") and "failed in its mini-batch: ValueError: from rank" in message
+    assert elapsed < 5, elapsed
+    assert all(r["notices 1"] == [(0, "ValueError: from rank 0"), (2, "ValueError: from rank 2")] for r in results)
+    assert all(r["round 2"] == "passed" for r in results)
+
+
+def test_a_barrier_counts_a_peer_only_within_its_round():
+    from odc_plugin.comm import Transport
+    from odc_plugin.comm.base import ROUND_SHIFT
+
+    recovery, first_of_round_1 = 1 << ROUND_SHIFT, (1 << ROUND_SHIFT) + 1
+    assert Transport.arrived(3, 3) and Transport.arrived(4, 3) and not Transport.arrived(2, 3)
+    # a peer gone to the recovery meeting has not arrived at a barrier of the round it left ...
+    assert not Transport.arrived(recovery, 3)
+    # ... the meeting counts peers already in the next round, which counts from the meeting on
+    assert Transport.arrived(recovery, recovery) and Transport.arrived(first_of_round_1, recovery)
+    assert not Transport.arrived(recovery, first_of_round_1) and not Transport.arrived(5, first_of_round_1)
+    assert [Transport.barrier_name(e) for e in (3, recovery, first_of_round_1)] == [
+        "ODC barrier #3",
+        "ODC recovery meeting #1",
+        "ODC barrier #1 of round 1",
+    ]
