@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, TrainingState
 
 # Re-exported: the interfaces of set_custom_all_gather / set_custom_reduce_scatter (public methods whose
 # argument types torch keeps in a private module), and FSDP2's own implementations of them.
@@ -108,6 +108,32 @@ def reset_to_idle(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
             group._post_forward_indices.clear()
     root = modules_and_groups[0][0]
     root._get_fsdp_state()._comm_ctx.post_forward_order.clear()
+
+
+def reset_after_failure(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
+    """Return every FSDP module to idle after a forward or backward that raised midway.
+
+    FSDP2's own recovery for that (`reset_iter_state` on the root: in-flight collectives waited for,
+    per-iteration trackers and training states cleared, groups resharded), and what it leaves: the
+    unsharded gradients a backward interrupted between autograd's write and FSDP's reduce-scatter, which
+    the next backward would add to. torch without `reset_iter_state` gets the training states reset here.
+    """
+    root = modules_and_groups[0][0]
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+    else:
+        for module, groups in modules_and_groups:
+            module._get_fsdp_state()._training_state = TrainingState.IDLE
+            for group in groups:
+                group._training_state = TrainingState.IDLE
+    for _, groups in modules_and_groups:
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+    reset_to_idle(modules_and_groups)
 
 
 def reduce_within_shard_group(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:

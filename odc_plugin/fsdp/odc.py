@@ -6,8 +6,8 @@ accumulates into the owners' fp32 accumulators. A mini-batch is bracketed by `be
 
 - begin: this rank publishes its parameter shards (in the all-gather dtype) and raises its "published"
   flag. Peers wait for that flag, point to point, the first time they touch this rank in the mini-batch.
-- end: one barrier (every accumulate has landed), then this rank's accumulator becomes its sharded
-  `.grad`, so optimizer step and grad clipping run unchanged.
+- end: one barrier (every accumulate has landed), then this rank's accumulator is its sharded `.grad`
+  (gradients.py), so optimizer step and grad clipping run unchanged.
 
 Between the two no collective runs, so ranks may run any number of micro-batches, zero included, and any
 subset of the model's modules. Alongside each gradient a rank marks, in every owner's "used" flags, which
@@ -18,12 +18,17 @@ included) leave in one FSDP state, so plain evaluation forwards between mini-bat
 
 Over a 2-D (replicate x shard) mesh, FSDP2's HSDP, gets and accumulates stay inside the shard group
 (the transport spans it: one node) and FSDP's per-module all-reduce across replicas is switched off. At
-the end of a backward mini-batch every data-parallel rank first meets through the c10d store (so a dead
-rank is named after the timeout, not waited on in a collective), then its shard group meets at the
-transport's barrier, and then each rank's accumulator, with its used flags, is all-reduced across its
-replica group in one bucket. That is the mini-batch's only collective; the result is the mean over all
-data-parallel ranks, as in stock HSDP, and ranks of different replicas never wait for each other inside
-the mini-batch.
+the end of every mini-batch every data-parallel rank first meets through the c10d store (so a dead rank
+is named after the timeout, not waited on in a collective, and a failure on one node fails every node),
+then its shard group meets at the transport's barrier, and then, after a backward mini-batch, each rank's
+accumulator, with its used flags, is all-reduced across its replica group in one bucket. That is the
+mini-batch's only collective; the result is the mean over all data-parallel ranks, as in stock HSDP, and
+ranks of different replicas never wait for each other inside the mini-batch.
+
+A mini-batch that fails on one rank fails on every rank (`abort`, docs/failures.md): the failing rank
+announces it through the transport (and the store, under HSDP), every peer's next wait raises
+ODCPeerFailedError naming it, the ranks meet once more so that no accumulate of the failed mini-batch is
+still in flight, and each returns to idle, ready to begin() the next mini-batch.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..comm import Transport
+from ..comm import ODCPeerFailedError, ODCTimeoutError, Transport
+from ..comm.base import FailureNotice, first_failure
 from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
 from ._fsdp_internals import AllGather, ReduceScatter
+from .gradients import GradientStorage
 from .mesh import data_parallel_mesh
 
 # apply_odc is collective, so every rank creates its OnDemandComms in the same order: the count names
@@ -68,6 +75,11 @@ class ODCConfig:
     ODC's transport, the baseline that isolates what removing the barriers buys (benchmarks only; like
     FSDP it needs every rank to run the same micro-batches through the same modules)."""
 
+    trains: bool = True
+    """Whether the model is trained. False for a model only ever run forward (a reference model, a user of
+    `begin(backward=False)` alone): it gets no gradient accumulator, so ODC adds only the published shards
+    to FSDP2's memory, and a backward mini-batch is refused."""
+
     def __post_init__(self):
         if not self.barrier_timeout_s > 0:
             raise ValueError(f"barrier_timeout_s must be > 0, got {self.barrier_timeout_s}")
@@ -79,6 +91,26 @@ class ODCConfig:
 class MiniBatchStats:
     compute_s: float = 0.0  # begin -> arrival at the barrier
     wait_s: float = 0.0  # time in the barrier
+
+
+@dataclass(frozen=True)
+class ODCMemory:
+    """Bytes of this rank's ODC regions for one model, and what they add to stock FSDP2's memory."""
+
+    published: int
+    """The parameter shards in the all-gather dtype, which peers get from, and their flag."""
+    accumulator: int
+    """The fp32 gradient accumulator and its used flags; 0 for a forward-only model."""
+    grad_storage: int
+    """Bytes of sharded `.grad` that FSDP2 would hold and ODC does not, the accumulator being their
+    storage (fp32 parameters); 0 when `.grad` is a copy (another parameter dtype) or there is none."""
+    shard_numel: int
+    """Elements of this rank's parameter shards."""
+
+    @property
+    def extra_bytes_per_param(self) -> float:
+        """What ODC adds to FSDP2, per element of this rank's shards."""
+        return (self.published + self.accumulator - self.grad_storage) / max(self.shard_numel, 1)
 
 
 @dataclass(frozen=True)
@@ -108,6 +140,7 @@ class OnDemandComm:
         self.in_minibatch = False
         self.last_stats = MiniBatchStats()
         self._backward = False
+        self._broken: str | None = None  # why no further mini-batch can run (a peer gone, a lost meeting)
         self._ready_peers: set[int] = set()
         self._begin_time = 0.0
 
@@ -149,9 +182,24 @@ class OnDemandComm:
                 grad_numel += sum(s.padded_numel for s in slots)
                 num_slots += len(slots)
         self.params = transport.alloc("odc.params", param_bytes, torch.uint8)
-        # One region, so that HSDP sums the accumulators and the used flags across replicas in one bucket.
         self.grad_numel = grad_numel
-        self.grads = transport.alloc("odc.grads", grad_numel + num_slots, torch.float32)
+        # With one rank FSDP never calls its comm hooks and builds `.grad` itself; a forward-only model has none.
+        self.grads = None
+        self._gradients: GradientStorage | None = None
+        if self.config.trains and self.world_size > 1:
+            device = self.params.local.device
+            elsewhere = {s.param.to_local().device for layout in self.layouts for s in layout.slots} - {device}
+            if elsewhere:
+                raise ValueError(
+                    f"offload_policy (FSDP2's CPU offload) of a trained model is not supported with ODC: its sharded "
+                    f"parameters are on {sorted(map(str, elsewhere))}, ODC's gradient accumulator on {device}; turn "
+                    f"offload_policy off, or set the model up forward-only (ODCConfig(trains=False))"
+                )
+            # One region, so that HSDP sums the accumulators and the used flags across replicas in one bucket.
+            self.grads = transport.alloc("odc.grads", grad_numel + num_slots, torch.float32)
+            carries = self.mesh.replicate_group is None or dist.get_rank(self.mesh.replicate_group) == 0
+            slots = [(slot, layout.grad_offset + slot.offset) for layout in self.layouts for slot in layout.slots]
+            self._gradients = GradientStorage(self.grads.local, slots, carries)
         self.published = transport.alloc("odc.published", 1, torch.int64)
 
         self._scatters: list[_ScatterAccumulate] = []
@@ -183,89 +231,159 @@ class OnDemandComm:
     def divide_factor(self) -> float:
         return self.config.gradient_divide_factor or float(self.world_size * self.mesh.num_replicas)
 
+    def memory_bytes(self) -> ODCMemory:
+        """This rank's ODC regions for the model, against stock FSDP2 (measured from the regions)."""
+        return ODCMemory(
+            published=self.params.numel + 8 * self.published.numel,
+            accumulator=0 if self.grads is None else 4 * self.grads.numel,
+            grad_storage=0 if self._gradients is None else self._gradients.grad_storage_bytes,
+            shard_numel=sum(p.to_local().numel() for p in self.model.parameters() if isinstance(p, DTensor)),
+        )
+
     def begin(self, backward: bool = True) -> None:
-        """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes."""
-        if self.in_minibatch:
-            raise RuntimeError("ODC begin() called twice without end()")
-        self.in_minibatch, self._backward = True, backward
-        self._begin_time = time.perf_counter()
-        self.epoch += 1
-        self._ready_peers = {self.rank}
-        # An evaluation forward since the last mini-batch may have left modules unsharded; the shards
-        # published below are the sharded parameters.
-        fsdp_internals.reset_to_idle(self._modules_and_groups)
-        with torch.no_grad():
-            for layout in self.layouts:
-                shard = fsdp_internals.all_gather_input(layout.group).view(torch.uint8)
-                self.params.local[layout.param_offset : layout.param_offset + layout.param_nbytes].copy_(shard)
-        self.transport.signal(self.published, 0, self.epoch)
+        """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes. If it
+        raises, the mini-batch has failed on every rank (see `abort`)."""
+        self._check_usable()
+        with self._failure_ends_the_minibatch():
+            if self.in_minibatch:
+                raise RuntimeError("ODC begin() called twice without end()")
+            if backward and not self.config.trains:
+                raise ValueError(
+                    "this model was set up forward-only (ODCConfig(trains=False)): it has no gradient "
+                    "accumulator; begin(backward=False)"
+                )
+            self.in_minibatch, self._backward = True, backward
+            self._begin_time = time.perf_counter()
+            self.epoch += 1
+            self._ready_peers = {self.rank}
+            # An evaluation forward since the last mini-batch may have left modules unsharded; the shards
+            # published below are the sharded parameters.
+            fsdp_internals.reset_to_idle(self._modules_and_groups)
+            if backward and self._gradients is not None:
+                self._gradients.begin(self.divide_factor)
+            with torch.no_grad():
+                for layout in self.layouts:
+                    shard = fsdp_internals.all_gather_input(layout.group).view(torch.uint8)
+                    self.params.local[layout.param_offset : layout.param_offset + layout.param_nbytes].copy_(shard)
+            self.transport.signal(self.published, 0, self.epoch)
 
     def end(self) -> MiniBatchStats:
-        """Finish the mini-batch: meet every rank once, then take this rank's gradient shard."""
+        """Finish the mini-batch: meet every rank once, then take this rank's gradient shard. If it raises,
+        the mini-batch has failed on every rank (see `abort`)."""
+        self._check_usable()
         if not self.in_minibatch:
             raise RuntimeError("ODC end() called without begin()")
+        backward = self._backward and self._gradients is not None
         arrive = time.perf_counter()
-        try:
+        with self._failure_ends_the_minibatch():
             for scatter in self._scatters:
                 scatter.check_sent()
+            if backward:
+                self._gradients.prepare_end()
             self.transport.synchronize()
-            if self._replicas is not None and self._backward:
+            # The outcome is decided here, alike on every rank: a barrier passes only once every rank has
+            # arrived, and no rank fails after arriving. What follows cannot fail on one rank alone.
+            if self._replicas is not None:
                 self._replicas.wait(self.config.barrier_timeout_s)
             self.transport.barrier(self.config.barrier_timeout_s)
-        finally:
-            self.in_minibatch = False
         done = time.perf_counter()
+        self.in_minibatch = False
         fsdp_internals.reset_to_idle(self._modules_and_groups)
-        if self._backward and self.world_size > 1:
-            self._take_gradients()
+        if backward:
+            group = self.mesh.replicate_group
+            self._gradients.end(self.divide_factor, functools.partial(dist.all_reduce, group=group) if group else None)
         self.last_stats = MiniBatchStats(compute_s=arrive - self._begin_time, wait_s=done - arrive)
         return self.last_stats
 
     @contextlib.contextmanager
     def minibatch(self, backward: bool = True):
+        """begin(), the body, end(); an exception in any of them fails the mini-batch on every rank, and what
+        this rank raises is what `abort` returns."""
         self.begin(backward)
         try:
             yield self
         except BaseException as error:
-            self.abort(error)
-            raise
+            raise self.abort(error)  # noqa: B904  (abort returns `error` itself, or the peer's failure it caused)
         self.end()
 
-    def abort(self, error: BaseException) -> None:
-        """End a mini-batch that raised `error` on this rank: tell the peers (each fails at once, naming
-        this rank and the error, instead of waiting out the barrier timeout) and return to idle, so that a
-        caller that handles the error may begin() again. The gradients of the failed mini-batch are lost
-        on every rank; a retry has to begin a new mini-batch on all of them."""
-        if not self.in_minibatch:
-            return
-        self.in_minibatch = False
-        self.transport.fail(f"{type(error).__name__}: {error}")
+    @contextlib.contextmanager
+    def _failure_ends_the_minibatch(self):
+        try:
+            yield
+        except BaseException as error:
+            raise self.abort(error)  # noqa: B904  (see minibatch)
+
+    def abort(self, error: BaseException) -> BaseException:
+        """Fail, on every rank, the mini-batch that `error` ended on this rank; outside a mini-batch, the
+        next one (this rank's preparation of it raised before begin()). Returns what to raise: `error`
+        itself if this rank failed, or ODCPeerFailedError naming the first rank that failed if `error` is
+        this rank learning of it (begin(), end() and minibatch() call this themselves).
+
+        A rank that failed announces it on the transport (and, under HSDP, in the store): every peer's
+        next wait raises ODCPeerFailedError instead of waiting out the barrier timeout. Then every rank
+        meets once more (the recovery meeting): once all are there, none has an accumulate of the failed
+        mini-batch in flight, so each zeroes its accumulator (every sharded `.grad` becomes None) and returns
+        its FSDP state to idle, and the next begin() on every rank starts a mini-batch as if the failed one
+        had never run. A timeout (a peer that is gone) skips that meeting, and ODC cannot run again.
+        """
+        if self._broken is not None:
+            return error
+        opened, self.in_minibatch = self.in_minibatch, False
+        if not opened:
+            self.epoch += 1  # the mini-batch this rank fails before beginning it, which its peers begin
+        if not isinstance(error, (ODCPeerFailedError, ODCTimeoutError)):
+            self._announce(error)
         for scatter in self._scatters:
             scatter.discard()
-        fsdp_internals.reset_to_idle(self._modules_and_groups)
-        self.grads.local.zero_()
+        fsdp_internals.reset_after_failure(self._modules_and_groups)
+        if isinstance(error, ODCTimeoutError):
+            self._broken = f"mini-batch {self.epoch} timed out ({error})"
+            return error
+        try:
+            notices = self._recover()
+        except BaseException as failure:
+            self._broken = f"the ranks did not all meet after mini-batch {self.epoch} failed ({failure})"
+            if not isinstance(failure, Exception):
+                raise
+            _add_note(error, f"ODC: {self._broken}; ODC cannot run another mini-batch")
+            return error
+        if self._gradients is not None:
+            self._gradients.drop()
+        if not isinstance(error, ODCPeerFailedError) or not notices:
+            return error
+        first = first_failure(notices)
+        return ODCPeerFailedError(
+            f"rank {dist.get_rank()}: rank {first.rank} failed in its mini-batch: {first.message}"
+        )
 
-    @torch.no_grad()
-    def _take_gradients(self) -> None:
-        acc = self.grads.local
-        if self.mesh.replicate_group is not None:
-            dist.all_reduce(acc, group=self.mesh.replicate_group)
-        used = acc[self.grad_numel :].tolist()
-        for layout in self.layouts:
-            for index, slot in enumerate(layout.slots):
-                if not used[layout.used_offset + index]:
-                    continue  # no rank produced a gradient: `.grad` stays as it was, as in stock FSDP2
-                param = slot.param
-                local = param.to_local()
-                start = layout.grad_offset + slot.offset
-                grad = (acc[start : start + local.numel()].view(local.shape) / self.divide_factor).to(local.dtype)
-                if param.grad is None:
-                    param.grad = DTensor.from_local(
-                        grad, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-                    )
-                else:
-                    param.grad.to_local().add_(grad)
-        acc.zero_()
+    def _announce(self, error: BaseException) -> None:
+        message = f"{type(error).__name__}: {error}"
+        try:
+            self.transport.announce_failure(message)
+            if self._replicas is not None:
+                self._replicas.announce_failure(message)
+        except Exception as failure:  # e.g. a GPU whose context the error itself left unusable
+            _add_note(
+                error, f"ODC could not announce this failure ({failure}); peers fail after barrier_timeout_s instead"
+            )
+
+    def _recover(self) -> list[FailureNotice]:
+        """The recovery meeting: the shard group at its transport (no accumulate of the failed mini-batch
+        in flight), then, under HSDP, every data-parallel rank in the store. The failures announced, by
+        global rank: complete once every rank has come."""
+        timeout_s = self.config.barrier_timeout_s
+        shard = self.mesh.shard_group
+        notices = [
+            FailureNotice(dist.get_global_rank(shard, n.rank), n.time_ns, n.message)
+            for n in self.transport.recover(timeout_s)
+        ]
+        if self._replicas is not None:
+            notices = self._replicas.recover(timeout_s)
+        return notices
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"ODC cannot run another mini-batch: {self._broken}")
 
     def wait_published(self, peer: int) -> None:
         """Block until `peer` has published this mini-batch's shards (once per peer per mini-batch)."""
@@ -315,7 +433,8 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
 
     FSDP's input holds only the parameters this rank has a gradient for; which ones is known only as FSDP
     calls `reduced` for each of them, right after this hook. So the hook keeps the input, and the
-    accumulates go out once those calls have covered all of it.
+    accumulates go out once those calls have covered all of it; it lets go of the input only once they
+    are issued (on a GPU, with its stream recorded: see `_send`).
     """
 
     def __init__(self, odc: OnDemandComm, layout: _GroupLayout):
@@ -335,6 +454,10 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
                 dist.all_reduce(output_tensor, group=odc.mesh.replicate_group)
             output_tensor.div_(odc.divide_factor)  # FSDP was told to divide nothing itself
             return None
+        if not odc._backward:
+            raise RuntimeError(
+                "a backward inside a forward-only ODC mini-batch (begin(backward=False)); begin a backward one"
+            )
         self.check_sent()
         self._input = input_tensor.view(odc.world_size, -1)
         self._reduced, self._covered = [], 0
@@ -365,7 +488,12 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
 
     def _send(self) -> None:
         odc, layout, chunks = self.odc, self.layout, self._input
-        self._input = None
+        if chunks.is_cuda:
+            # FSDP lets the caching allocator hand this buffer out again once the compute stream has passed
+            # the event FSDP recorded when this hook returned: before the accumulates below, enqueued later
+            # on the current (reduce-scatter) stream, have read it. Recording that stream makes the allocator
+            # also wait for what is queued on it when the buffer is freed, these accumulates included.
+            chunks.record_stream(torch.cuda.current_stream(chunks.device))
         if odc.config.lockstep:
             odc.transport.barrier(odc.config.barrier_timeout_s)
         if self._ones is None:
@@ -391,12 +519,20 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
                 odc.transport.accumulate(
                     odc.grads, peer, odc.grad_numel + layout.used_offset + first, self._ones[:count]
                 )
+        self._input = None  # the accumulates reading it are issued
 
 
 def apply_odc(model: nn.Module, transport: Transport, config: ODCConfig | None = None) -> OnDemandComm:
     """Switch a `fully_shard`-ed model to on-demand communication (collective: all ranks call it).
 
     `transport` spans the model's shard group: all ranks for a 1-D mesh, one shard group (one node) of
-    a 2-D HSDP mesh (`make_transport(kind, group=shard_group(model))`).
+    a 2-D HSDP mesh (`make_transport(kind, group=shard_group(model))`). A forward-only model takes
+    `ODCConfig(trains=False)`.
     """
     return OnDemandComm(model, transport, config)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """Python >= 3.11 shows notes under the exception's message; 3.10 has none to add to."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)

@@ -1,0 +1,112 @@
+"""A mini-batch that fails on one rank fails on every rank, and the next one trains as if it had never run.
+
+3 gloo ranks on the shared-memory transport (and 2 x 2 under HSDP), the barrier timeout at its default
+600 s: rank 1 raises at each place a mini-batch can fail (before begin(), after a micro-batch's backward,
+halfway through a backward, inside a forward, in end()); every rank catches what it raised and trains a
+new mini-batch, whose parameters must equal one process trained on that mini-batch alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from odc_plugin.launch import run_ranks
+from odc_plugin.models import build_qwen2, token_mean_loss
+
+from ..weights import assert_weights_agree
+from . import failure_workers, workers
+from .test_odc_core import random_plan, reference_train_steps
+
+WORLD, CULPRIT = 3, 1
+WAIT_BOUND_S = 5.0
+
+
+def _error(rank: int, culprit: int, where: str) -> str:
+    """What rank `rank` raises when `culprit` failed at `where`."""
+    own = f"RuntimeError: {failure_workers.INJECTED} ({where}) on rank {culprit}"
+    if rank == culprit:
+        return own
+    return f"ODCPeerFailedError: rank {rank}: rank {culprit} failed in its mini-batch: {own}"
+
+
+def _check_failed(results, culprit, where):
+    for rank, r in enumerate(results):
+        assert r["outcome"] == _error(rank, culprit, where), (rank, r["outcome"])
+        assert r["elapsed"] < WAIT_BOUND_S, (rank, r["elapsed"])
+
+
+@pytest.fixture(scope="module")
+def retries():
+    """Each place of failure in turn: the failed mini-batch (rank 1 runs 3 micro-batches), then a retry
+    on other sequences and another split."""
+    failed_seqs = workers.make_sequences(9, seed=21)
+    failed = (failed_seqs, random_plan(len(failed_seqs), [2, 3, 2], seed=21))
+    retried_seqs = workers.make_sequences(9, seed=22)
+    retried = (retried_seqs, random_plan(len(retried_seqs), [1, 3, 2], seed=22))
+    runs = {
+        where: run_ranks(failure_workers.retry_after_failure, WORLD, failed, retried, CULPRIT, where)
+        for where in failure_workers.WHERE
+    }
+    return runs, reference_train_steps(retried_seqs, 1)
+
+
+@pytest.mark.parametrize("where", failure_workers.WHERE)
+def test_a_failed_minibatch_fails_every_rank_at_once_and_the_retry_equals_one_process(retries, where):
+    runs, expected = retries
+    results = runs[where]
+    _check_failed(results, CULPRIT, where)
+    assert all(r["grads_dropped"] for r in results)
+    for rank, r in enumerate(results):
+        print(f"{where}, rank {rank}: {assert_weights_agree(r['params'], expected, 1e-5, where)}")
+    print(f"{where}: every rank failed within {max(r['elapsed'] for r in results):.2f} s")
+
+
+def reference_steps(batches) -> dict[str, torch.Tensor]:
+    """One AdamW step with clipping per batch of sequences, in one process (workers.adamw_steps' math)."""
+    model = build_qwen2("tiny", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for seqs in batches:
+        opt.zero_grad(set_to_none=True)
+        token_mean_loss(model, seqs, workers.count_targets(seqs), world_size=1).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_twenty_alternating_failed_and_good_minibatches_train_as_the_good_ones_and_leak_nothing():
+    batches, failures = [], []
+    for k in range(10):
+        seqs = workers.make_sequences(6, seed=40 + k)
+        batches.append((seqs, random_plan(len(seqs), [2, 2, 2], seed=40 + k)))
+        failures.append((k % WORLD, failure_workers.WHERE[k % len(failure_workers.WHERE)]))
+    results = run_ranks(failure_workers.alternating, WORLD, batches, failures)
+    expected = reference_steps([seqs for seqs, _ in batches])
+    worst = 0.0
+    for rank, r in enumerate(results):
+        for (outcome, elapsed), (culprit, where) in zip(r["failed"], failures):
+            assert outcome == _error(rank, culprit, where), (rank, outcome)
+            assert elapsed < WAIT_BOUND_S, (rank, where, elapsed)
+            worst = max(worst, elapsed)
+        print(f"rank {rank}: {assert_weights_agree(r['params'], expected, 1e-5, f'rank {rank}')}")
+        second, last = r["resources"]["second"], r["resources"]["last"]
+        assert last["fds"] == second["fds"] and last["shm_maps"] == second["shm_maps"], (second, last)
+        assert last["shm_files"] == [], last["shm_files"]
+        growth = (last["rss"] - second["rss"]) / 2**20
+        print(f"rank {rank}: resident memory {growth:+.1f} MiB over 8 failed and 8 good mini-batches")
+        assert growth < 8, growth
+    print(f"10 failed mini-batches (every place, every rank the culprit in turn): slowest rank failed in {worst:.2f} s")
+
+
+def test_hsdp_one_rank_of_one_node_fails_all_four_at_once_and_the_retry_equals_one_process():
+    failed_seqs = workers.make_sequences(10, seed=31)
+    failed = (failed_seqs, random_plan(len(failed_seqs), [2, 1, 2, 3], seed=31))
+    retried_seqs = workers.make_sequences(10, seed=32)
+    retried = (retried_seqs, random_plan(len(retried_seqs), [3, 0, 1, 2], seed=32))
+    culprit, where = 3, "after_first_backward"
+    results = run_ranks(failure_workers.hsdp_retry_after_failure, 4, failed, retried, culprit, where)
+    _check_failed(results, culprit, where)
+    expected = reference_train_steps(retried_seqs, 1)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {assert_weights_agree(r['params'], expected, 1e-5, f'rank {rank}')}")
+    print(f"HSDP: every rank of both nodes failed within {max(r['elapsed'] for r in results):.2f} s naming rank 3")
