@@ -3,30 +3,84 @@
 A slow rank (a throttled GPU, an older node, a noisy neighbour) is what LB-Mini's rank speeds are for,
 and what FSDP's lockstep pays at every layer; `ComputeEmulator(None, F, layers)` makes one on purpose:
 each layer sleeps until it has taken F times what it measured, in forward and in backward, between
-FSDP's gather and reduce-scatter of that layer (odc-demo --slow-ranks, odc-grpo-cpu --slow-rank).
+FSDP's gather and reduce-scatter of that layer (odc-demo --slow-ranks, odc-grpo-cpu --slow-ranks).
 
-With a fit (odc_plugin.demo.emulate) the layers instead take the fit's time for the micro-batch's true
-lengths, times F: a rehearsal at many ranks on few cores, where the layers compute on short stand-in
-sequences. A sleeping rank takes no core either way.
+With a fit (`EmulationFit`, a GPU cost calibration) the layers instead take the fit's time for the
+micro-batch's true lengths, times F. What ODC changes is when ranks wait, not how fast a layer computes;
+so a rehearsal at 4 to 32 ranks on a 2-core machine keeps everything real (FSDP2 modules with small real
+parameters, collectives, ODC's transport and barriers, the plans, gradients, the optimizer step) except
+the layers' arithmetic: every layer computes on short stand-in sequences (each token standing for
+`length factor` true tokens), then sleeps until the fit's time for the true lengths has passed, in
+forward and in backward, between FSDP's gather and reduce-scatter of that layer. A sleeping rank takes
+no core, so 32 ranks can wait at once on 2. `odc-demo --emulate` and `odc-grpo-cpu --emulate` (verl's
+trainer, patches/cpu_layer_time.py) both emulate through this module.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn as nn
 
+from .balance.costs import CostCalibration, FitCost
 
-class LayerTimeFit(Protocol):
-    """What the emulator needs of a fit: a micro-batch's whole-model seconds, and backward's share."""
+# "auto" time scale: a rank's fair share of a mini-batch's emulated work takes about this long, which
+# keeps what the rehearsal itself costs (processes woken on few cores, Python between layers) small.
+AUTO_SHARE_S = 5.0
 
+
+@dataclass(frozen=True)
+class EmulationFit:
+    """Whole-model seconds of forward + backward for one sequence (`cost`), from a per-layer calibration
+    file times the layer count of the model it was measured for, and how backward and forward share it."""
+
+    cost: FitCost
+    num_layers: int
     backward_ratio: float
+    time_scale: float  # already in `cost`
+    model: str  # the preset the fit was measured for
+    source: str
 
-    def seconds(self, lengths: Sequence[int]) -> float: ...
+    @classmethod
+    def load(cls, path: str, time_scale: float = 1.0) -> EmulationFit:
+        calibration = CostCalibration.load(path)
+        layers = calibration.num_hidden_layers
+        if not layers:
+            raise ValueError(
+                f"cost calibration {path!r}: model {calibration.model!r} is not a preset, so its layer count is unknown"
+            )
+        if not time_scale > 0:
+            raise ValueError(f"--time-scale must be > 0, got {time_scale}")
+        scale = layers * time_scale
+        return cls(
+            FitCost(calibration.a * scale, calibration.b * scale),
+            layers,
+            calibration.backward_ratio,
+            time_scale,
+            calibration.model,
+            f"{calibration.model} on {calibration.device} ({path})",
+        )
+
+    def seconds(self, lengths: Sequence[int]) -> float:
+        """Forward and backward of sequences of these true lengths."""
+        return sum(self.cost.costs(lengths))
+
+    def forward_seconds(self, lengths: Sequence[int]) -> float:
+        """Forward only (a log-prob or value pass)."""
+        return self.seconds(lengths) / (1 + self.backward_ratio)
+
+
+def auto_time_scale(
+    path: str, minibatches: Iterable[Sequence[int]], ranks: int, share_s: float = AUTO_SHARE_S
+) -> float:
+    """The time scale at which a rank's fair share of the mean mini-batch (true lengths) takes `share_s`."""
+    fit = EmulationFit.load(path)
+    share = statistics.fmean(fit.seconds(batch) for batch in minibatches) / ranks
+    return share_s / share
 
 
 def parse_slow_ranks(spec: str | None, ranks: int) -> dict[int, float]:
@@ -107,7 +161,7 @@ class ComputeEmulator:
     model's `num_layers` layers, times `slowdown`. Without one, layers take `slowdown` times what they
     measure. One emulator may time several models of the same depth (the demo's rows)."""
 
-    def __init__(self, fit: LayerTimeFit | None, slowdown: float, num_layers: int):
+    def __init__(self, fit: EmulationFit | None, slowdown: float, num_layers: int):
         if fit is None and slowdown == 1.0:
             raise ValueError("a ComputeEmulator needs a fit, a slowdown, or both")
         if num_layers < 1:

@@ -1,7 +1,7 @@
 """Small Qwen2-architecture causal LMs built from local configs, and FSDP2 applied to them.
 
 Used by the tests, the benchmarks and the demo; nothing is downloaded. Runs whose layer compute is
-emulated (odc_plugin.demo.emulate) use a stand-in instead, whose own compute costs next to nothing.
+emulated (odc_plugin.layer_time) use a stand-in instead, whose own compute costs next to nothing.
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ class LengthSample:
         return [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
 
 
+# rl_math_like at the scale reasoning RL runs at: the rl case of odc-demo's sweep, and the response lengths
+# odc-grpo-cpu draws for an emulated run.
+RL_PROFILE = {"max_prompt_length": 512, "max_response_length": 16384}
+
+
 def rl_math_like(
     num_samples: int,
     *,

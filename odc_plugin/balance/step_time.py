@@ -27,6 +27,23 @@ NVLINK_BW = 360e9
 
 IB_BW = 40e9
 
+# A report says so when a measured time is further than this from the planner's (relative): beyond it, what
+# the rehearsal itself costs (or something the planner does not model) is a visible part of the step.
+PLANNER_TOLERANCE = 0.10
+
+
+def off_planner_note(errors: dict[str, float], what: str = "run") -> str | None:
+    """One line naming the runs (label -> planner over measured, minus 1) beyond PLANNER_TOLERANCE; None if none."""
+    off = {label: e for label, e in errors.items() if abs(e) > PLANNER_TOLERANCE}
+    if not off:
+        return None
+    return (
+        f"more than {PLANNER_TOLERANCE:.0%} off the planner: "
+        + ", ".join(f"{label} ({e:+.1%})" for label, e in off.items())
+        + f"; the planner models compute only, so in such a {what} something else (the rehearsal's own overhead "
+        "on few cores, waits the planner does not know of) is a visible part of the step"
+    )
+
 
 @dataclass(frozen=True)
 class StepTimeModel:

@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--time-scale",
         type=_time_scale,
-        help="emulated seconds = the fit's seconds times X (default 1; 'auto', the default of a sweep: "
-        "a rank's fair share of a mini-batch takes about 5 s)",
+        help="emulated seconds = the fit's seconds times X (default 'auto': a rank's fair share of a "
+        "mini-batch takes about 5 s, which keeps the rehearsal's own overhead small)",
     )
     p.add_argument(
         "--stand-in",
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
             seed=args.seed,
             out_dir=args.out_dir,
             emulate=args.emulate,
-            time_scale=args.time_scale or ("auto" if sweep else 1.0),
+            time_scale=args.time_scale,
             stand_in=args.stand_in,
             slow_ranks=args.slow_ranks,
             cost=args.cost,

@@ -5,14 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..layer_time import parse_slow_ranks
+from ..layer_time import EmulationFit, parse_slow_ranks
 from ..models import MODEL_SIZES
-from .emulate import EmulationFit
 
 WORKLOADS = ("rl", "sft")
 COSTS = ("fit", "auto")
-# "auto" time scale: a rank's fair share of a mini-batch's emulated work takes about this long.
-AUTO_SHARE_S = 5.0
 # With emulation the model computes on sequences this many times shorter than the true ones.
 EMULATED_STAND_IN = 64
 
@@ -39,9 +36,9 @@ class DemoConfig:
     # a cost calibration JSON (benchmarks/calibrate_cost.py): every decoder layer takes the time it
     # gives for the true lengths; None: real compute, with a cost fit calibrated on this CPU
     emulate: str | None = None
-    # emulated seconds = the fit's seconds times this; "auto": a rank's fair share of a mini-batch
-    # takes about AUTO_SHARE_S
-    time_scale: float | str = 1.0
+    # emulated seconds = the fit's seconds times this; "auto" (the default with emulation): a rank's fair
+    # share of a mini-batch takes about layer_time.AUTO_SHARE_S; None: "auto" with emulation, else 1
+    time_scale: float | str | None = None
     # the model computes on sequences this many times shorter than the true ones; None: 64 with
     # emulation, else 1
     stand_in: int | None = None
@@ -74,6 +71,8 @@ class DemoConfig:
                 f"--max-token-len {self.max_token_len} is below the longest possible sample "
                 f"({self.max_prompt_length} + {self.max_response_length})"
             )
+        if self.time_scale is None:
+            self.time_scale = "auto" if self.emulate else 1.0
         if self.time_scale != "auto" and not (isinstance(self.time_scale, (int, float)) and self.time_scale > 0):
             raise ValueError(f"--time-scale must be a number > 0 or 'auto', got {self.time_scale!r}")
         if self.time_scale != 1.0 and not self.emulate:

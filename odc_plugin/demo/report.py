@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from ..balance.step_time import off_planner_note
 from .rows import FACTORS
 
 # Above this many ranks the table gives the spread of idle over ranks instead of every rank's split.
@@ -35,6 +36,9 @@ def print_table(report: dict) -> None:
         "ranks' mean share of the step spent waiting; wait CPU: CPU seconds one rank spent in its waits per "
         "mini-batch (ODC: flags and barriers; fsdp2: gloo collectives, transfers included)"
     )
+    note = off_planner_note({row: r["prediction_error"] for row, r in report["runs"].items()}, "row")
+    if note:
+        print(f"NOTE: {note}")
     if any(f != 1.0 for f in report["config"]["slowdowns"]):
         print(
             f"ideal (each mini-batch's work over the ranks' summed speeds): "

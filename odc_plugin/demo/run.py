@@ -24,10 +24,9 @@ from ..balance.costs import fit_quadratic
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit, lb_mini_auto
 from ..balance.step_time import simulate_minibatch
 from ..launch import run_ranks
-from ..layer_time import ComputeEmulator
+from ..layer_time import ComputeEmulator, EmulationFit, auto_time_scale
 from ..models import MODEL_SIZES, build_model, qwen2_config, shard_qwen2
-from .config import AUTO_SHARE_S, DemoConfig
-from .emulate import EmulationFit
+from .config import DemoConfig
 from .report import plot_breakdown, print_table
 from .rows import (
     AUTO_ROW,
@@ -78,12 +77,11 @@ def calibrate(cfg: DemoConfig) -> tuple[FitCost, list[list[float]]]:
 
 def emulation_fit(cfg: DemoConfig, batches: list[list[Sample]]) -> EmulationFit:
     """The fit the layers' times are emulated from, its time scale resolved ("auto": a rank's fair share
-    of the mean mini-batch takes AUTO_SHARE_S)."""
+    of the mean mini-batch takes layer_time.AUTO_SHARE_S)."""
     if cfg.time_scale != "auto":
         return EmulationFit.load(cfg.emulate, cfg.time_scale)
-    fit = EmulationFit.load(cfg.emulate)
-    share = statistics.fmean(fit.seconds([s.total for s in batch]) for batch in batches) / cfg.ranks
-    return EmulationFit.load(cfg.emulate, AUTO_SHARE_S / share)
+    scale = auto_time_scale(cfg.emulate, ([s.total for s in batch] for batch in batches), cfg.ranks)
+    return EmulationFit.load(cfg.emulate, scale)
 
 
 def rows_of(cfg: DemoConfig) -> tuple[str, ...]:

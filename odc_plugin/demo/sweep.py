@@ -13,22 +13,52 @@ import json
 import os
 from collections.abc import Sequence
 
+from ..balance import FitCost
+from ..balance.lengths import RL_PROFILE
+from ..balance.planner import length_source
+from ..balance.step_time import off_planner_note, plan_table
 from .config import DemoConfig
 from .run import run_demo
 
 CASES = {
-    "rl": {"max_prompt_length": 512, "max_response_length": 16384, "max_token_len": 16896, "group_size": 4},
+    # the micro-batch budget just holds the longest sample
+    "rl": {**RL_PROFILE, "max_token_len": sum(RL_PROFILE.values()), "group_size": 4},
     "sft": {"mini_batch_size": 256, "max_token_len": 32768},
 }
 ABOUT = {
     "rl": "GRPO rollouts: prompts up to 512 tokens, responses up to 16384, 4 responses per prompt and one prompt "
-    "per rank (4 samples per rank), micro-batch budget 16896 tokens (the longest sample); odc-plan: 1.17x "
-    "to 1.20x at 4 to 32 ranks",
+    "per rank (4 samples per rank), micro-batch budget 16896 tokens (the longest sample)",
     "sft": "long-context SFT: 256 samples per mini-batch (64 per rank at 4 ranks, 8 at 32), chats around 1k "
-    "tokens and 30% documents of 4k to 32k, micro-batch budget 32768 tokens; odc-plan: 1.08x at 4 ranks, "
-    "1.12x at 8, 1.22x at 16, 1.39x at 32",
+    "tokens and 30% documents of 4k to 32k, micro-batch budget 32768 tokens",
 }
 HEADLINE = "odc+lb_mini"
+
+
+def minibatch_samples(workload: str, ranks: int) -> int:
+    return ranks * CASES["rl"]["group_size"] if workload == "rl" else CASES[workload]["mini_batch_size"]
+
+
+def odc_plan_speedups(fit_file: str, workload: str, ranks: Sequence[int]) -> dict[int, float]:
+    """What `odc-plan` predicts for the case, ODC+LB-Mini over FSDP+LB-Micro at each rank count (its own
+    draws of the case's lengths, the fit's cost); rank counts whose mini-batch does not divide are left out."""
+    case = CASES[workload]
+    if workload == "rl":
+        draw, _ = length_source(
+            "rl", max_prompt_length=case["max_prompt_length"], max_response_length=case["max_response_length"]
+        )
+    else:
+        draw, _ = length_source("sft", max_length=case["max_token_len"])
+    cost = FitCost.from_file(fit_file)
+    speedups = {}
+    for n in ranks:
+        for row in plan_table(draw, [n], [minibatch_samples(workload, n)], case["max_token_len"], cost=cost):
+            speedups[n] = row.speedup("odc_lb_mini")
+    return speedups
+
+
+def about(workload: str, speedups: dict[int, float]) -> str:
+    planned = ", ".join(f"{s:.2f}x at {n} ranks" for n, s in speedups.items())
+    return f"{ABOUT[workload]}; odc-plan (ODC+LB-Mini over FSDP+LB-Micro): {planned or 'no rank count divides'}"
 
 
 def case_config(base: DemoConfig, workload: str, ranks: int) -> DemoConfig:
@@ -80,8 +110,9 @@ def run_sweep(base: DemoConfig, ranks: Sequence[int], workloads: Sequence[str]) 
         f"odc-demo sweep: {', '.join(workloads)} at {', '.join(map(str, ranks))} ranks, layer compute EMULATED "
         f"from {base.emulate} (the rest real), {base.steps} timed mini-batches per row"
     )
+    cases = {w: about(w, odc_plan_speedups(base.emulate, w, ranks)) for w in workloads}
     for workload in workloads:
-        print(f"  {workload}: {ABOUT[workload]}")
+        print(f"  {workload}: {cases[workload]}")
     points = []
     for workload in workloads:
         for n in ranks:
@@ -94,7 +125,7 @@ def run_sweep(base: DemoConfig, ranks: Sequence[int], workloads: Sequence[str]) 
                 f"planner {point['predicted_headline']:.3f}x ({point['relative_error']:+.1%})",
                 flush=True,
             )
-    result = {"config": dataclasses.asdict(base), "cases": {w: ABOUT[w] for w in workloads}, "points": points}
+    result = {"config": dataclasses.asdict(base), "cases": cases, "points": points}
     os.makedirs(base.out_dir, exist_ok=True)
     json_path, png_path = (os.path.join(base.out_dir, f"odc_sweep.{ext}") for ext in ("json", "png"))
     with open(json_path, "w") as f:
@@ -121,6 +152,11 @@ def print_sweep(result: dict) -> None:
     print(
         "EMULATED layer compute (the rest real); error: planner over measured factor, minus 1; memory: all ranks' PSS"
     )
+    note = off_planner_note(
+        {f"{p['workload']} at {p['ranks']} ranks": p["relative_error"] for p in result["points"]}, "point"
+    )
+    if note:
+        print(f"NOTE: {note}")
 
 
 def plot_sweep(result: dict, path: str) -> None:

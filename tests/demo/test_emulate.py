@@ -1,4 +1,4 @@
-"""Emulated layer compute (odc_plugin/demo/emulate.py) and the scale rehearsal it drives."""
+"""Emulated layer compute (odc_plugin/layer_time.py) and the scale rehearsal it drives in odc-demo."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from odc_plugin.balance import FitCost
-from odc_plugin.balance.step_time import simulate_minibatch
+from odc_plugin.balance.step_time import off_planner_note, simulate_minibatch
 from odc_plugin.demo import main
 from odc_plugin.demo.config import DemoConfig
-from odc_plugin.demo.emulate import EmulationFit
 from odc_plugin.demo.rows import AUTO_ROW, ROWS
 from odc_plugin.demo.run import run_demo
+from odc_plugin.demo.sweep import odc_plan_speedups
 from odc_plugin.demo.workload import draw_minibatches
-from odc_plugin.layer_time import ComputeEmulator, parse_slow_ranks
+from odc_plugin.layer_time import ComputeEmulator, EmulationFit, parse_slow_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 FIT_FILE = str(ROOT / "configs" / "cost_fit" / "Qwen2.5-7B-H100.json")
@@ -156,7 +156,22 @@ def test_a_sweep_point_writes_its_json_and_picture(tmp_path, capsys):
     assert set(point["rows"]) == set(ROWS) and point["headline"] > 0
     assert point["relative_error"] == pytest.approx(point["predicted_headline"] / point["headline"] - 1)
     assert (tmp_path / "odc_sweep.png").stat().st_size > 0
-    assert "EMULATED" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "EMULATED" in out
+    # the case's odc-plan figure is the planner's, computed for this fit and rank count
+    planned = f"odc-plan (ODC+LB-Mini over FSDP+LB-Micro): {odc_plan_speedups(FIT_FILE, 'rl', [4])[4]:.2f}x at 4 ranks"
+    assert planned in result["cases"]["rl"] and planned in out
+
+
+def test_emulated_runs_default_to_the_time_scale_that_keeps_the_rehearsal_small():
+    assert DemoConfig(ranks=2, emulate=FIT_FILE).time_scale == "auto"
+    assert DemoConfig(ranks=2).time_scale == 1.0
+
+
+def test_a_run_off_the_planner_says_so():
+    assert off_planner_note({"odc+lb_mini": -0.05, "lockstep+lb_micro": 0.099}) is None
+    note = off_planner_note({"odc+lb_mini": -0.05, "fsdp2+lb_micro": -0.31}, "row")
+    assert note.startswith("more than 10% off the planner: fsdp2+lb_micro (-31.0%); the planner models compute only")
 
 
 def test_slow_ranks_spec():
