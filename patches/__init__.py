@@ -21,7 +21,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_offload_unpinned",
     "cpu_valuehead_attn",
     "hf_rollout_registry",
-    "cpu_slow_rank",
+    "cpu_layer_time",
     "cpu_ulysses_sdpa",
     "cpu_batch_order",
 )

@@ -1,11 +1,19 @@
-"""On CPU, a training rank made slow on purpose: what LB-Mini's rank speeds are for, visible on a laptop.
+"""On CPU, training ranks' layers made to take a given time: a slow rank on purpose, or a GPU's compute
+emulated at many ranks on a laptop (odc_plugin.layer_time, the one emulation module odc-demo uses too).
 
-With `ODC_SLOW_RANKS=R:F[,R:F]` in a worker's environment (`odc-grpo-cpu --slow-ranks`), every FSDP
-engine verl builds on training rank R (actor, reference, critic; `fsdp2` and `odc` alike, since `odc`
-builds through verl's own method) gets decoder layers that take F times what they measure, forward and
-backward (odc_plugin.layer_time). verl 0.9.1 builds the sharded module in
-`FSDPEngine._build_fsdp_module(self, module)` (`verl/workers/engine/fsdp/transformer_impl.py:385`);
-this patch wraps it. Applied only with VERL_PLATFORM=cpu, and it does nothing without the variable.
+Every FSDP engine verl builds on a training rank (actor, reference, critic; `fsdp2` and `odc` alike,
+since `odc` builds through verl's own method) gets decoder layers timed by a `ComputeEmulator`:
+
+- with `ODC_SLOW_RANKS=R:F[,R:F]` (`odc-grpo-cpu --slow-ranks`) rank R's layers take F times what they
+  measure, or F times the emulated time;
+- with `ODC_EMULATION` naming a run's Emulation (odc_plugin/verl/cpu/emulation.py, `odc-grpo-cpu
+  --emulate`) each layer takes the GPU fit's time for its micro-batch's true lengths (the engine's
+  sequence lengths times the length factor, set before each micro-batch's forward), and each rank records
+  every mini-batch it runs (phase, micro-batches) for the planner's prediction and the idle time.
+
+verl 0.9.1 builds the sharded module in `FSDPEngine._build_fsdp_module(self, module)`
+(`verl/workers/engine/fsdp/transformer_impl.py:385`); this patch wraps it. Applied only with
+VERL_PLATFORM=cpu, and it does nothing without either variable.
 """
 
 from __future__ import annotations
@@ -13,12 +21,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import time
 
 from odc_patches import PatchError, require_attr, require_verl_version
-from odc_plugin.verl.cpu import SLOW_RANKS_ENV as ENV
+from odc_plugin.verl.cpu import SLOW_RANKS_ENV
 
 VERL_VERSION = "0.9.1"
-NAME = "cpu_slow_rank"
+NAME = "cpu_layer_time"
 TARGET = "verl.workers.engine.fsdp.transformer_impl"
 
 
@@ -29,7 +38,52 @@ def decoder_layers(module):
     for name, child in module.named_modules():
         if name.rsplit(".", 1)[-1] == "layers" and isinstance(child, nn.ModuleList):
             return child
-    raise ValueError(f"{ENV}: found no decoder layers (a ModuleList named 'layers') in {type(module).__name__}")
+    raise ValueError(
+        f"{NAME}: found no decoder layers (a ModuleList named 'layers') in {type(module).__name__} to time"
+    )
+
+
+def phase_of(engine, data, forward_only: bool) -> str:
+    """verl's name (timing_s/<phase>) of the pass an engine runs on `data`."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
+
+    if isinstance(engine, FSDPEngineWithValueHead):
+        return "values" if forward_only else "update_critic"
+    if engine.engine_config.forward_only:
+        return "ref"
+    if forward_only:  # the actor's engine; with the reference model inside it (LoRA), verl marks that pass
+        return "ref" if tu.get_non_tensor_data(data, key="no_lora_adapter", default=False) else "old_log_prob"
+    return "update_actor"
+
+
+def _time_engine(engine, emulator, emulation) -> None:
+    """Set each micro-batch's true lengths before its forward and, with a passes directory, record every
+    mini-batch; both on the engine instance, whose forward_backward_batch (verl's or odc's) calls them."""
+    import torch.distributed as dist
+
+    from odc_plugin.verl.cpu.emulation import record_pass
+
+    forward_step, forward_backward_batch = engine.forward_step, engine.forward_backward_batch
+    ran: list[list[int]] = []
+
+    def timed_forward_step(micro_batch, loss_function, forward_only):
+        lengths = micro_batch["input_ids"].offsets().diff().tolist()  # verl's no-padding layout, as verl reads it
+        emulator.micro_batch(emulation.true_lengths(lengths))
+        ran.append(lengths)
+        return forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+    def recorded_forward_backward_batch(data, loss_function, forward_only=False):
+        ran.clear()
+        start = time.perf_counter()
+        out = forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if emulation.passes_dir:
+            phase = phase_of(engine, data, forward_only)
+            record_pass(emulation.passes_dir, dist.get_rank(), phase, list(ran), time.perf_counter() - start)
+        return out
+
+    engine.forward_step = timed_forward_step
+    engine.forward_backward_batch = recorded_forward_backward_batch
 
 
 def apply() -> None:
@@ -44,20 +98,38 @@ def apply() -> None:
         raise PatchError(
             f"odc patch '{NAME}': FSDPEngine._build_fsdp_module{inspect.signature(build)} is not (self, module)"
         )
+    for method, params in (
+        ("forward_step", ["self", "micro_batch", "loss_function", "forward_only"]),
+        ("forward_backward_batch", ["self", "data", "loss_function", "forward_only"]),
+    ):
+        found = list(inspect.signature(require_attr(engine, method, NAME)).parameters)
+        if found != params:
+            raise PatchError(
+                f"odc patch '{NAME}': FSDPEngine.{method}({', '.join(found)}) is not ({', '.join(params)})"
+            )
 
     @functools.wraps(build)
     def _build_fsdp_module(self, module):
         module = build(self, module)
-        spec = os.environ.get(ENV)
-        if spec:
-            import torch.distributed as dist
+        from odc_plugin.verl.cpu.emulation import Emulation
 
-            from odc_plugin.layer_time import ComputeEmulator, parse_slow_ranks
+        emulation = Emulation.from_env()
+        fit = emulation.layer_fit() if emulation else None
+        spec = os.environ.get(SLOW_RANKS_ENV)
+        if fit is None and not spec:
+            return module
+        import torch.distributed as dist
 
-            factor = parse_slow_ranks(spec, dist.get_world_size()).get(dist.get_rank())
-            if factor is not None:
-                layers = decoder_layers(module)
-                ComputeEmulator(None, factor, len(layers)).attach(layers)
+        from odc_plugin.layer_time import ComputeEmulator, parse_slow_ranks
+
+        factor = parse_slow_ranks(spec, dist.get_world_size()).get(dist.get_rank(), 1.0)
+        if fit is None and factor == 1.0:
+            return module
+        layers = decoder_layers(module)
+        emulator = ComputeEmulator(fit, factor, len(layers))
+        emulator.attach(layers)
+        if fit is not None:
+            _time_engine(self, emulator, emulation)
         return module
 
     _build_fsdp_module._odc_patched = True

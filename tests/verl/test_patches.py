@@ -265,9 +265,9 @@ def test_trainer_patch_skipped_without_transfer_queue(stock_verl):
 
 from odc_patches import (  # noqa: E402
     CPU_PATCHES,
+    cpu_layer_time,
     cpu_offload_unpinned,
     cpu_process_group,
-    cpu_slow_rank,
     cpu_ulysses_sdpa,
     cpu_valuehead_attn,
     hf_rollout_registry,
@@ -316,7 +316,7 @@ def test_cpu_patch_list():
         "cpu_offload_unpinned",
         "cpu_valuehead_attn",
         "hf_rollout_registry",
-        "cpu_slow_rank",
+        "cpu_layer_time",
         "cpu_ulysses_sdpa",
         "cpu_batch_order",
     )
@@ -403,7 +403,7 @@ def test_cpu_patches_refuse_changed_targets(stock_cpu):
         hf_rollout_registry.apply()
     stock_cpu.setattr(transformer_impl.FSDPEngine, "_build_fsdp_module", lambda self, module, mesh: module)
     with pytest.raises(PatchError, match=r"_build_fsdp_module\(self, module, mesh\) is not \(self, module\)"):
-        cpu_slow_rank.apply()
+        cpu_layer_time.apply()
     from verl.utils import ulysses
 
     stock_cpu.setattr(ulysses, "gather_seq_scatter_heads", lambda x, seq_dim, head_dim, group=None: x)
@@ -411,7 +411,7 @@ def test_cpu_patches_refuse_changed_targets(stock_cpu):
         cpu_ulysses_sdpa.apply()
 
 
-def test_the_slow_rank_patch_finds_the_decoder_layers_of_actor_and_critic_models():
+def test_the_layer_time_patch_finds_the_decoder_layers_of_actor_and_critic_models():
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
     config = Qwen2Config(
@@ -424,6 +424,6 @@ def test_the_slow_rank_patch_finds_the_decoder_layers_of_actor_and_critic_models
         num_labels=1,
     )
     for model in (Qwen2ForCausalLM(config), Qwen2ForTokenClassification(config)):
-        assert cpu_slow_rank.decoder_layers(model) is model.model.layers
-    with pytest.raises(ValueError, match="ODC_SLOW_RANKS: found no decoder layers"):
-        cpu_slow_rank.decoder_layers(torch.nn.Linear(2, 2))
+        assert cpu_layer_time.decoder_layers(model) is model.model.layers
+    with pytest.raises(ValueError, match="cpu_layer_time: found no decoder layers"):
+        cpu_layer_time.decoder_layers(torch.nn.Linear(2, 2))

@@ -13,8 +13,10 @@ import logging
 import os
 
 PLATFORM_ENV = "VERL_PLATFORM"
-# "R:F[,R:F]": training rank R's layers take F times as long (patches/cpu_slow_rank.py, odc-grpo-cpu --slow-ranks)
+# "R:F[,R:F]": training rank R's layers take F times as long (patches/cpu_layer_time.py, odc-grpo-cpu --slow-ranks)
 SLOW_RANKS_ENV = "ODC_SLOW_RANKS"
+# the JSON file of a run's Emulation (emulation.py, odc-grpo-cpu --emulate)
+EMULATION_ENV = "ODC_EMULATION"
 ROLLOUT_NAME = "hf"
 logger = logging.getLogger(__name__)
 
