@@ -20,6 +20,10 @@ total_num_tokens / update phase time. Idle fraction = wait / (wait + compute) of
 
     python -m odc_plugin.verl.ab_report RUN_DIR             # RUN_DIR/fsdp2.jsonl vs RUN_DIR/odc.jsonl
     python -m odc_plugin.verl.ab_report BASELINE.jsonl CANDIDATE.jsonl [--skip-first N] [--json]
+
+`phase_report` compares any number of runs phase by phase (odc-grpo-cpu --compare fsdp2,lockstep,odc):
+per FSDP phase each run's s/step, the factors between runs (RUN_FACTORS), and, for emulated runs, the
+idle fraction and the planner's prediction for the plans each run ran.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ import math
 import os
 import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..balance.step_time import off_planner_note
+
+if TYPE_CHECKING:
+    from .cpu.emulation import PhaseTime
 
 STEP = "timing_s/step"
 TOKENS = "perf/total_num_tokens"
@@ -251,6 +262,148 @@ def format_report(report: dict) -> str:
             f"further from 1 than this is run-to-run difference, not the strategy"
         )
     return "\n".join(lines)
+
+
+# The FSDP phases of a step, as verl times them (timing_s/<phase>), in the order a step runs them.
+FSDP_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
+# What each pair of odc-grpo-cpu's runs measures (slower run, faster run), as odc-demo's rows do: the
+# transport, the removed per-layer barriers (same plan), LB-Mini (same ODC), and the idea on one transport.
+RUN_FACTORS = {
+    "transport": ("fsdp2", "lockstep"),
+    "barrier removal": ("lockstep", "odc_lb_micro"),
+    "LB-Mini": ("odc_lb_micro", "odc"),
+    "ODC+LB-Mini over lockstep": ("lockstep", "odc"),
+    "odc over fsdp2": ("fsdp2", "odc"),
+}
+# All phases of a step but the rollout, which no strategy touches.
+TRAINING = "training"
+# What the driver spends per step on LB-Mini, summed over the stages it plans (odc_balance/[<stage>/]<key>):
+# planning, and splitting each planned batch and handing the pieces to verl's dispatch.
+DRIVER_KEYS = {"planning": "plan_s", "dispatch": "dispatch_s"}
+
+
+def _phase_seconds(m: dict[str, float], phase: str) -> float:
+    if phase == TRAINING:
+        return m[STEP] - m["timing_s/gen"]
+    return m[f"timing_s/{phase}"]
+
+
+def _phase_steps(run: Run, phase: str) -> dict[int, float]:
+    out = {}
+    for step, m in run.steps.items():
+        try:
+            out[step] = _phase_seconds(m, phase)
+        except KeyError:
+            continue
+    return out
+
+
+def _ratio(slow: Mapping[int, float], fast: Mapping[int, float]) -> float | None:
+    """Median over the steps both have of the per-step ratio (the runs see the same samples at each step)."""
+    common = sorted(set(slow) & set(fast))
+    return statistics.median(slow[s] / fast[s] for s in common) if common else None
+
+
+def phase_report(
+    runs: Sequence[Run],
+    times: Mapping[str, Mapping[str, Sequence[PhaseTime]]] | None = None,
+    ideal: Mapping[str, Sequence[float]] | None = None,
+    memory_gib: Mapping[str, float] | None = None,
+    emulated: str | None = None,
+) -> str:
+    """Per FSDP phase, and all training phases together, every run's median s/step and the factors.
+
+    `times[label][phase][step - 1]` (emulated runs): the planner's time for the plans the run ran and the
+    ranks' emulated compute, which give the prediction, its error and the idle fraction; `ideal[phase]`
+    per step: the work over the ranks' summed speeds (with slow ranks). Long because it is one table,
+    row by row."""
+    times, by_label = times or {}, {r.label: r for r in runs}
+    width = max(12, *(len(r.label) for r in runs))
+    lines = [
+        f"per phase, medians over steps {_steps_span(runs)}" + (f"; {emulated}" if emulated else ""),
+        f"{'phase':<14}{'run':<{width}}{'s/step':>9}{'idle':>8}{'planner':>9}{'error':>8}",
+    ]
+    errors = {}
+    phases = [p for p in FSDP_PHASES if any(_phase_steps(r, p) for r in runs)] + [TRAINING]
+    for phase in phases:
+        measured = {r.label: _phase_steps(r, phase) for r in runs}
+        predicted = {}
+        for label, steps in measured.items():
+            phase_times = times.get(label, {}).get(phase)
+            cells = ["n/a", "n/a", "n/a"]
+            if phase_times and steps:
+                predicted[label] = {s: phase_times[s - 1].predicted_s for s in steps}
+                idle = statistics.median(phase_times[s - 1].idle_fraction(t) for s, t in steps.items())
+                error = statistics.median(predicted[label][s] / t - 1 for s, t in steps.items())
+                errors[f"{label} {phase}"] = error
+                cells = [f"{idle:.1%}", f"{statistics.median(predicted[label].values()):.3f}", f"{error:+.1%}"]
+            median = f"{statistics.median(steps.values()):.3f}" if steps else "n/a"
+            lines.append(
+                f"{phase if label == runs[0].label else '':<14}{label:<{width}}{median:>9}"
+                + "".join(f"{c:>{w}}" for c, w in zip(cells, (8, 9, 8)))
+            )
+        factors = []
+        for name, (slow, fast) in RUN_FACTORS.items():
+            if slow in by_label and fast in by_label:
+                value = _ratio(measured[slow], measured[fast])
+                planned = _ratio(predicted[slow], predicted[fast]) if slow in predicted and fast in predicted else None
+                if value is not None:
+                    factors.append(f"{name} {value:.3f}x" + (f" (planner {planned:.3f}x)" if planned else ""))
+        if ideal and phase in ideal:
+            for label, steps in measured.items():
+                if steps:
+                    over = statistics.median(t / ideal[phase][s - 1] - 1 for s, t in steps.items())
+                    factors.append(f"{label} {over:+.1%} over the ideal")
+        if factors:
+            lines.append(f"{'':<14}" + "; ".join(factors))
+    if ideal:
+        lines.append(
+            "ideal: the phase's emulated work over the ranks' summed speeds, "
+            + ", ".join(f"{p} {statistics.median(v):.3f} s" for p, v in ideal.items())
+        )
+    gen = {r.label: _phase_steps(r, "gen") for r in runs}
+    controls = [f"{r.label} {_ratio(gen[runs[0].label], gen[r.label]):.2f}x" for r in runs[1:] if gen[r.label]]
+    if controls and gen[runs[0].label]:
+        lines.append(
+            f"control: the rollout, which no strategy touches, over {runs[0].label}'s: {', '.join(controls)}; a "
+            "factor no further from 1 than these is run-to-run difference"
+        )
+    for r in runs:
+        driver = {name: _median(_per_step(r, _driver_seconds(key))) for name, key in DRIVER_KEYS.items()}
+        if driver["planning"] is not None:
+            total = sum(v for v in driver.values() if v is not None)
+            spent = ", ".join(f"{name} {v * 1e3:.1f} ms" for name, v in driver.items() if v is not None)
+            lines.append(
+                f"driver ({r.label}): LB-Mini {spent} per step, {total / _median(_per_step(r, lambda m: m[STEP])):.2%} "
+                "of its step"
+            )
+    if memory_gib:
+        lines.append(
+            "peak memory of the whole run (PSS): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in memory_gib.items())
+        )
+    lines.append(
+        "idle: the share of the ranks' time in the phase spent outside emulated compute; planner: the same "
+        "plans, the same fit, compute only; error: planner over measured, minus 1"
+        if times
+        else "idle and planner: emulated runs only (--emulate)"
+    )
+    note = off_planner_note(errors, "phase")
+    if note:
+        lines.append(f"NOTE: {note}")
+    return "\n".join(lines)
+
+
+def _driver_seconds(key: str):
+    def fn(m: dict[str, float]) -> float | None:
+        found = [v for k, v in m.items() if k.startswith(f"{BALANCE}/") and k.endswith(f"/{key}")]
+        return sum(found) if found else None
+
+    return fn
+
+
+def _steps_span(runs: Sequence[Run]) -> str:
+    steps = sorted({s for r in runs for s in r.steps})
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,3 +175,37 @@ def test_unusable_inputs_fail_with_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "0 training step(s)" in err
     assert ab_report.main([str(tmp_path / "one.jsonl"), str(tmp_path / "one.jsonl")]) == 1
     assert "--skip-first=1" in capsys.readouterr().err
+
+
+def test_phase_report_gives_each_phase_every_run_and_the_factors(tmp_path):
+    """odc-grpo-cpu --compare fsdp2,lockstep,odc: per phase each run's s/step, and the factors between runs
+    as medians of per-step ratios; with emulated runs' phase times, idle, the planner and its error."""
+    from odc_plugin.verl.cpu.emulation import PhaseTime
+
+    write_run(tmp_path / "fsdp2.jsonl", [30, 12, 12, 12], [20, 6, 6, 6], val=False)
+    write_run(tmp_path / "lockstep.jsonl", [30, 11, 11, 11], [20, 5, 5, 5], val=False)
+    write_run(tmp_path / "odc.jsonl", [30, 9, 9, 9], [20, 4, 4, 4], val=False)
+    runs = [ab_report.load_run(str(tmp_path / f"{r}.jsonl"), r) for r in ("fsdp2", "lockstep", "odc")]
+    # the planner: 4.5 s for both lockstep runs, 4 for odc; 6 rank-seconds of compute on 2 ranks
+    times = {
+        label: {"update_actor": [PhaseTime(4.0 if label == "odc" else 4.5, 6.0, 2)] * 4}
+        for label in ("fsdp2", "lockstep", "odc")
+    }
+    text = ab_report.phase_report(runs, times, memory_gib={"odc": 6.5}, emulated="EMULATED layer compute")
+    lines = text.splitlines()
+    assert lines[0] == "per phase, medians over steps 2-4; EMULATED layer compute"
+    update = lines.index(next(line for line in lines if line.startswith("update_actor")))
+    assert lines[update].split() == ["update_actor", "fsdp2", "6.000", "50.0%", "4.500", "-25.0%"]
+    assert lines[update + 1].split() == ["lockstep", "5.000", "40.0%", "4.500", "-10.0%"]
+    assert lines[update + 2].split() == ["odc", "4.000", "25.0%", "4.000", "+0.0%"]
+    assert lines[update + 3].strip() == (
+        "transport 1.200x (planner 1.000x); ODC+LB-Mini over lockstep 1.250x (planner 1.125x); "
+        "odc over fsdp2 1.500x (planner 1.125x)"
+    )
+    for phase in ("old_log_prob", "ref", "training"):  # the phases these runs timed, and all of training
+        assert any(line.startswith(phase) for line in lines), phase
+    training = next(line for line in lines if line.startswith("training"))
+    assert training.split()[1:3] == ["fsdp2", f"{12 - 6:.3f}"]  # step minus the rollout (gen, half the step)
+    assert "control: the rollout, which no strategy touches, over fsdp2's: lockstep 1.09x, odc 1.33x" in text
+    assert "peak memory of the whole run (PSS): odc 6.5 GiB" in text
+    assert "NOTE: more than 10% off the planner: fsdp2 update_actor (-25.0%);" in text

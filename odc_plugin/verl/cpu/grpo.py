@@ -1,8 +1,15 @@
 """`odc-grpo-cpu`: verl's real GRPO trainer (`python -m verl.trainer.main_ppo`) on this machine's CPU,
-once with `strategy=fsdp2` and once with `strategy=odc`, same seed, data and settings, then the A/B
-report of the two runs.
+once with `strategy=fsdp2` and once with `strategy=odc` (or the runs `--compare` names), same seed,
+data and settings, then the A/B report of the runs.
 
     odc-grpo-cpu [--steps N] [--out DIR] [--model qwen2|qwen3_moe] [--slow-ranks R:F] [key=value ...]
+    odc-grpo-cpu --emulate FIT.json [--ranks N] [--compare fsdp2,lockstep,odc] [--time-scale X|auto] ...
+
+With `--emulate` the trainer runs at the scale ODC is for: every decoder layer's compute is emulated from
+a GPU cost fit (odc_plugin.layer_time; each real token stands for `--length-factor` true ones), each
+response is really generated to a length drawn from the rl profile of odc-demo's sweep, one prompt of
+4 responses per rank, and the report gives per FSDP phase the idle fraction and the planner's prediction
+for the plans each run ran (emulation.py).
 
 Each `key=value` goes to both runs as a hydra override (e.g. actor_rollout_ref.actor.use_dynamic_bsz=False);
 both runs' configurations are composed and validated by verl before either starts. Rollouts come from
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shlex
@@ -27,24 +35,73 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ...layer_time import parse_slow_ranks
-from . import PLATFORM_ENV, SLOW_RANKS_ENV
+from ...layer_time import AUTO_SHARE_S, auto_time_scale, parse_slow_ranks
+from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import MODELS, Assets, ensure_assets
+from .emulation import RL_LENGTHS, Emulation
 
 STRATEGIES = ("fsdp2", "odc")
-# The keys that differ between the two runs: one value, the strategy, for every trained role.
+# The keys that set the strategy: one value for every trained role.
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "critic.strategy")
+# Where each role's engine options go (actor, reference model, critic).
+ENGINE_CONFIGS = ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp")
+# The odc engine's options on the hydra search path, so that they can be set (README, Options).
+ODC_OPTIONS = ("hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc")
+
+
+def _every_engine(*options: str) -> list[str]:
+    return [f"{prefix}.{option}" for option in options for prefix in ENGINE_CONFIGS]
+
+
+# The runs a comparison may make: each one's strategy and its own engine options. fsdp2 and odc are what
+# users run; lockstep is FSDP's per-layer synchronization on ODC's transport and code (the same-transport
+# baseline), odc_lb_micro is ODC on verl's equal split; so run to run each factor of odc-demo's rows.
+RUNS = {
+    "fsdp2": ("fsdp2", []),
+    "lockstep": ("odc", [*ODC_OPTIONS, *_every_engine("odc_balancer=lb_micro", "odc_lockstep=True")]),
+    "odc_lb_micro": ("odc", [*ODC_OPTIONS, *_every_engine("odc_balancer=lb_micro")]),
+    "odc": ("odc", []),
+}
 STEP_LINE = re.compile(r"\bstep:(\d+) - ")
+# GRPO responses per prompt. Prompt tokens allowed: the data's longest prompt has 69; an emulated run's
+# micro-batch budget just holds the longest sample, as odc-demo's rl case does.
+GROUP_SIZE, MAX_PROMPT_TOKENS, LONGEST_PROMPT = 4, 96, 72
+# The "auto" time scale's share grows with the ranks beyond this many: what the rehearsal itself costs
+# (verl's and the engines' per-pass collectives, Python between layers, on 2 cores) grows with them.
+AUTO_RANKS = 8
 
 
-def settings(assets: Assets, ranks: int, steps: int, out_dir: str) -> list[str]:
-    """Everything both runs share: a small GRPO job on `ranks` CPU training ranks.
+def settings(assets: Assets, ranks: int, steps: int, out_dir: str, emulation: Emulation | None = None) -> list[str]:
+    """Everything all runs share: a small GRPO job on `ranks` CPU training ranks; with drawn response lengths
+    (an emulated run) odc-demo's rl case: one prompt of GROUP_SIZE responses per rank, all in one
+    mini-batch, micro-batches that just hold the longest sample, the KL loss on (so the reference model
+    runs: a phase of its own) and no activation checkpointing (the fit times forward and backward).
 
     Long because it is one list of hydra overrides, read top to bottom.
     """
     fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+    longest_response = emulation and emulation.max_response_tokens()
+    if longest_response:
+        prompts, prompt_tokens, response_tokens = ranks, LONGEST_PROMPT, longest_response
+        train_budget = infer_budget = LONGEST_PROMPT + longest_response
+        rl_case = [
+            "actor_rollout_ref.actor.use_kl_loss=True",
+            "actor_rollout_ref.actor.kl_loss_coef=0.01",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+            "critic.model.enable_gradient_checkpointing=False",
+            f"critic.ppo_max_token_len_per_gpu={train_budget}",
+        ]
+    else:
+        prompts, prompt_tokens, response_tokens, train_budget, infer_budget, rl_case = (
+            8,
+            MAX_PROMPT_TOKENS,
+            64,
+            160,
+            1024,
+            [],
+        )
     engine = []
-    for prefix in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp"):
+    for prefix in ENGINE_CONFIGS:
         # fp32; seeded model set-up (the critic's value head is initialised at random)
         engine += [
             f"+{prefix}.mixed_precision={fp32}",
@@ -56,9 +113,9 @@ def settings(assets: Assets, ranks: int, steps: int, out_dir: str) -> list[str]:
         "algorithm.use_kl_in_reward=False",
         f"data.train_files={assets.train_file}",
         f"data.val_files={assets.val_file}",
-        "data.train_batch_size=8",
-        "data.max_prompt_length=96",
-        "data.max_response_length=64",
+        f"data.train_batch_size={prompts}",
+        f"data.max_prompt_length={prompt_tokens}",
+        f"data.max_response_length={response_tokens}",
         "data.filter_overlong_prompts=False",
         "data.truncation=error",
         "data.seed=1",
@@ -75,24 +132,25 @@ def settings(assets: Assets, ranks: int, steps: int, out_dir: str) -> list[str]:
         "+critic.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.optim.lr=1e-4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
         "actor_rollout_ref.actor.use_dynamic_bsz=True",
         # a sample or two per micro-batch, several micro-batches per rank: each rank packs its own (odc),
         # or every rank runs as many as the busiest (verl's same_micro_num_in_dp, fsdp2)
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={train_budget}",
         "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.rollout.name=hf",
-        "actor_rollout_ref.rollout.n=4",
+        f"actor_rollout_ref.rollout.n={GROUP_SIZE}",
         "actor_rollout_ref.rollout.dtype=float32",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={ranks}",
         "actor_rollout_ref.rollout.full_determinism=True",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={infer_budget}",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={infer_budget}",
         *engine,
+        *rl_case,
         "trainer.device=cpu",
         f"trainer.n_gpus_per_node={ranks}",
         "trainer.nnodes=1",
@@ -106,31 +164,41 @@ def settings(assets: Assets, ranks: int, steps: int, out_dir: str) -> list[str]:
         f"trainer.default_local_dir={os.path.join(out_dir, 'checkpoints')}",
         # verl counts accelerators in Ray's "GPU" resource; each training rank claims one (no CUDA is used).
         f"+ray_kwargs.ray_init.num_gpus={ranks}",
-        # verl's placement groups ask for several CPUs per rank; a laptop has fewer than they add up to.
-        "ray_kwargs.ray_init.num_cpus=32",
+        # verl's placement groups ask for 3 CPUs per rank (its max_colocate_count), its other actors one each;
+        # a laptop has fewer than they add up to, and none of them needs a core of its own.
+        f"ray_kwargs.ray_init.num_cpus={32 + 3 * ranks}",
         "+ray_kwargs.ray_init.include_dashboard=False",
     ]
 
 
-def strategy_args(strategy: str) -> list[str]:
-    return [f"{key}={strategy}" for key in STRATEGY_KEYS]
+def strategy_args(run: str) -> list[str]:
+    """What sets a run apart from the others: its strategy and its own engine options."""
+    strategy, options = RUNS[run]
+    return [*(f"{key}={strategy}" for key in STRATEGY_KEYS), *options]
 
 
 def run_args(
-    shared: list[str], strategy: str, overrides: list[str], metrics_file: str, slow_ranks: str | None = None
+    shared: list[str],
+    run: str,
+    overrides: list[str],
+    metrics_file: str,
+    slow_ranks: str | None = None,
+    emulation_file: str | None = None,
 ) -> list[str]:
     # hydra's own files (config dump, job log) next to the run's, not in the caller's directory
-    hydra_dir = os.path.join(os.path.dirname(metrics_file), f"hydra-{strategy}")
+    hydra_dir = os.path.join(os.path.dirname(metrics_file), f"hydra-{run}")
     env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     slow = [f"{env}.{SLOW_RANKS_ENV}='{slow_ranks}'"] if slow_ranks else []
+    emulated = [f"{env}.{EMULATION_ENV}={emulation_file}"] if emulation_file else []
     return [
         *shared,
-        *strategy_args(strategy),
-        f"trainer.experiment_name={strategy}",
+        *strategy_args(run),
+        f"trainer.experiment_name={run}",
         f"hydra.run.dir={hydra_dir}",
         f"{env}.VERL_FILE_LOGGER_PATH={metrics_file}",
         f"{env}.{PLATFORM_ENV}=cpu",
         *slow,
+        *emulated,
         *overrides,
     ]
 
@@ -317,7 +385,27 @@ def last_error(log_file: str) -> str:
     return (errors or lines or ["(no output)"])[-1]
 
 
+def _time_scale(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
+
+
+def _runs(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"must be distinct runs out of {', '.join(RUNS)}, comma-separated (e.g. fsdp2,lockstep,odc), got {text!r}"
+        )
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
+    """odc-grpo-cpu's arguments; long because it is one add_argument per option."""
     parser = argparse.ArgumentParser(
         prog="odc-grpo-cpu", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -325,11 +413,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="odc_grpo_cpu", help="output directory (default ./odc_grpo_cpu)")
     parser.add_argument("--ranks", type=int, default=2, help="training ranks (CPU processes) per run (default 2)")
     parser.add_argument(
-        "--strategies",
-        nargs="+",
-        choices=STRATEGIES,
+        "--compare",
+        type=_runs,
         default=list(STRATEGIES),
-        help="which runs, in order (default: fsdp2 odc)",
+        metavar="RUN,RUN,...",
+        help="the runs, in order, out of fsdp2 (stock), lockstep (FSDP's per-layer synchronization on ODC's "
+        "transport: the same-transport baseline), odc_lb_micro (ODC on verl's equal split) and odc "
+        "(ODC with LB-Mini); default fsdp2,odc",
     )
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is killed")
     parser.add_argument(
@@ -341,15 +431,137 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--slow-ranks",
         metavar="R:F[,R:F]",
-        help="training rank R's layers take F times as long, in both runs (a slow GPU on purpose)",
+        help="training rank R's layers take F times as long, in every run (a slow GPU on purpose)",
     )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for both runs")
+    parser.add_argument(
+        "--emulate",
+        metavar="FIT.json",
+        help="emulate every decoder layer's compute from this GPU cost fit (e.g. configs/cost_fit/"
+        "Qwen2.5-7B-H100.json) at odc-demo's rl case: one prompt of 4 responses per rank, response lengths "
+        "drawn (--response-lengths); everything else stays real",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=_time_scale,
+        help=f"with --emulate: emulated seconds = the fit's seconds times X (default 'auto': a rank's fair share "
+        f"of an update's responses takes about {AUTO_SHARE_S:g} s per {AUTO_RANKS} ranks, which keeps the "
+        "rehearsal's own overhead, growing with the processes that share the cores, a small part of a step)",
+    )
+    parser.add_argument(
+        "--length-factor",
+        type=int,
+        help="each real token stands for this many true tokens, in emulated time and drawn lengths (default 64)",
+    )
+    parser.add_argument(
+        "--response-lengths",
+        metavar="rl|FILE",
+        help="generate each response to a length drawn from this profile, in true tokens: 'rl' (odc-demo's "
+        "sweep: median ~4.9k, up to 16384) or a lengths file; default rl with --emulate",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for every run")
     return parser
 
 
+def emulation_of(args, ranks: int) -> Emulation | None:
+    """The runs' Emulation from the command line (checked: a bad fit or profile raises a one-line
+    ValueError), its time scale resolved; None when nothing is emulated or drawn."""
+    if args.emulate is None:
+        for flag, value in (("--time-scale", args.time_scale), ("--length-factor", args.length_factor)):
+            if value is not None and (flag == "--time-scale" or args.response_lengths is None):
+                raise ValueError(
+                    f"{flag} needs --emulate" + ("" if flag == "--time-scale" else " or --response-lengths")
+                )
+    if args.emulate is None and args.response_lengths is None:
+        return None
+    fit = os.path.abspath(args.emulate) if args.emulate else None
+    emulation = Emulation(
+        fit,
+        length_factor=64 if args.length_factor is None else args.length_factor,
+        response_lengths=args.response_lengths or RL_LENGTHS,
+    )
+    emulation.check()
+    if fit is None:
+        return emulation
+    scale = args.time_scale or "auto"
+    if scale == "auto":
+        # an update's mini-batch: GROUP_SIZE responses per rank, drawn as the rollout draws them
+        draws = [
+            [
+                emulation.true_lengths([emulation.response_tokens(GROUP_SIZE * ranks * i + j)])[0]
+                for j in range(GROUP_SIZE * ranks)
+            ]
+            for i in range(16)
+        ]
+        scale = auto_time_scale(fit, draws, ranks, AUTO_SHARE_S * max(1.0, ranks / AUTO_RANKS))
+    return dataclasses.replace(emulation, time_scale=scale)
+
+
+def _run_emulation(emulation: Emulation | None, out_dir: str, run: str) -> str | None:
+    """The run's own copy of the emulation (its passes recorded apart from the other runs'), saved; its file."""
+    if emulation is None:
+        return None
+    passes = os.path.join(out_dir, f"{run}-passes")
+    shutil.rmtree(passes, ignore_errors=True)  # a previous run's records would count as this one's
+    os.makedirs(passes)
+    path = os.path.join(out_dir, f"{run}.emulation.json")
+    dataclasses.replace(emulation, passes_dir=passes if emulation.fit else None).save(path)
+    return path
+
+
+def describe(emulation: Emulation) -> str:
+    lengths = (
+        "the rl profile of odc-demo's sweep (median ~4.9k, up to 16384 true tokens)"
+        if emulation.response_lengths == RL_LENGTHS
+        else emulation.response_lengths
+    )
+    drawn = (
+        f"responses: real generation by the hf rollout, each to a length DRAWN from {lengths}, "
+        f"{emulation.length_factor} true tokens per real token"
+    )
+    fit = emulation.layer_fit()
+    if fit is None:
+        return drawn
+    return (
+        f"layer compute EMULATED from {fit.source}, time scale {fit.time_scale:.3g}, each real token standing for "
+        f"{emulation.length_factor}; the rest real\n{drawn}"
+    )
+
+
+def report(results: list[RunResult], args, emulation: Emulation | None, out_dir: str) -> str:
+    """The A/B report of the first run against the last, and with more runs or emulated ones, phase by phase."""
+    from .. import ab_report
+    from .emulation import ideal_times, phase_times
+
+    runs = [ab_report.load_run(r.metrics_file, r.strategy, skip_first=1 if args.steps > 1 else 0) for r in results]
+    text = ab_report.format_report(ab_report.compare(runs[0], runs[-1]))
+    if "lockstep" not in args.compare:
+        text += (
+            "\non CPU the update phase also differs in transport (odc's shared-memory copies vs fsdp2's gloo): "
+            "--compare fsdp2,lockstep,odc separates it"
+        )
+    if len(runs) < 3 and not (emulation and emulation.fit):
+        return text
+    times, ideal, label = {}, None, None
+    if emulation and emulation.fit:
+        slowdowns = parse_slow_ranks(args.slow_ranks, args.ranks)
+        slowdowns = [slowdowns.get(r, 1.0) for r in range(args.ranks)]
+        for r in results:
+            own = Emulation(
+                **{**dataclasses.asdict(emulation), "passes_dir": os.path.join(out_dir, f"{r.strategy}-passes")}
+            )
+            times[r.strategy] = phase_times(
+                own, own.passes_dir, r.steps, slowdowns, lockstep=r.strategy in ("fsdp2", "lockstep")
+            )
+            if ideal is None and any(f != 1.0 for f in slowdowns):
+                ideal = ideal_times(own, own.passes_dir, r.steps, slowdowns)
+        label = describe(emulation).splitlines()[0]
+    memory = {r.strategy: r.peak_pss_gib for r in results}
+    return text + "\n\n" + ab_report.phase_report(runs, times, ideal, memory, label)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """odc-grpo-cpu: check both runs' configurations, run them, report; long because it is the command's steps in
-    order, each a few lines.
+    """odc-grpo-cpu: check every run's configuration, run them, report; long because it is the command's steps
+    in order, each a few lines.
     """
     parser = _parser()
     args = parser.parse_args(argv)
@@ -362,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"overrides are key=value, got {bad[0]!r}")
     try:
         parse_slow_ranks(args.slow_ranks, args.ranks)
+        emulation = emulation_of(args, args.ranks)
     except ValueError as e:
         parser.error(str(e))
 
@@ -369,61 +582,54 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     os.environ[PLATFORM_ENV] = "cpu"  # for the configuration checks below, as in the runs
     assets = ensure_assets(model=args.model)
-    shared = settings(assets, args.ranks, args.steps, out_dir)
+    shared = settings(assets, args.ranks, args.steps, out_dir, emulation)
     plan = {
-        s: run_args(shared, s, args.overrides, os.path.join(out_dir, f"{s}.jsonl"), args.slow_ranks)
-        for s in args.strategies
+        run: run_args(
+            shared,
+            run,
+            args.overrides,
+            os.path.join(out_dir, f"{run}.jsonl"),
+            args.slow_ranks,
+            _run_emulation(emulation, out_dir, run),
+        )
+        for run in args.compare
     }
     try:
-        for strategy, run in plan.items():
-            validate(run, strategy)
+        for run, run_plan in plan.items():
+            validate(run_plan, run)
     except ConfigRejected as e:
         print(f"odc-grpo-cpu: {e}", file=sys.stderr)
         return 2
 
-    first = args.strategies[0]
+    first = args.compare[0]
     print(f"verl GRPO on CPU, {args.ranks} training ranks, {args.steps} steps per run; output in {out_dir}")
+    if emulation:
+        print(describe(emulation))
     command = shlex.join([sys.executable, "-m", "verl.trainer.main_ppo", *plan[first]])
     print(f"command ({first}):\n  {PLATFORM_ENV}=cpu {command}")
-    for strategy in args.strategies[1:]:
-        print(
-            f"the {strategy} run differs in: {' '.join(strategy_args(strategy))} "
-            f"(and its experiment name and metrics file)"
-        )
+    for run in args.compare[1:]:
+        print(f"the {run} run differs in: {' '.join(strategy_args(run))} (and its experiment name and metrics file)")
     results = []
-    for strategy, run in plan.items():
-        print(f"run {strategy}: starting (full log: {os.path.join(out_dir, strategy + '.log')})")
-        result = run_trainer(strategy, run, out_dir, args.steps, args.timeout_s)
+    for run, run_plan in plan.items():
+        print(f"run {run}: starting (full log: {os.path.join(out_dir, run + '.log')})")
+        result = run_trainer(run, run_plan, out_dir, args.steps, args.timeout_s)
         results.append(result)
         print(
-            f"run {strategy}: {'finished' if result.returncode == 0 else 'FAILED'} in {result.wall_s:.0f} s, "
+            f"run {run}: {'finished' if result.returncode == 0 else 'FAILED'} in {result.wall_s:.0f} s, "
             f"{result.steps} steps, peak memory {result.peak_pss_gib:.1f} GiB"
         )
         if result.returncode != 0:
             print(
-                f"odc-grpo-cpu: the {strategy} run failed (exit code {result.returncode}): "
+                f"odc-grpo-cpu: the {run} run failed (exit code {result.returncode}): "
                 f"{last_error(result.log_file)}\n  see {result.log_file}",
                 file=sys.stderr,
             )
             return 1
-    if len(results) == 2:
-        from .. import ab_report
-
-        report = ab_report.format_report(
-            ab_report.compare(
-                *(
-                    ab_report.load_run(r.metrics_file, r.strategy, skip_first=1 if args.steps > 1 else 0)
-                    for r in results
-                )
-            )
-        )
+    if len(results) >= 2:
+        text = report(results, args, emulation, out_dir)
         with open(os.path.join(out_dir, "report.txt"), "w", encoding="utf-8") as fp:
-            fp.write(report + "\n")
-        print("\n" + report)
-        print(
-            "on CPU the update phase also differs in transport (odc's shared-memory copies vs fsdp2's gloo): "
-            "odc-demo separates the transport, the removed barriers and LB-Mini"
-        )
+            fp.write(text + "\n")
+        print("\n" + text)
     return 0
 
 
