@@ -11,7 +11,8 @@ engine strategy is `odc` with `odc_balancer=lb_mini`:
   `_compute_old_log_prob` (1634), `_compute_ref_log_prob` (1695) and `_compute_values` (1721), attach a
   `PlanRequest` (the role's LB-Mini settings) to the batch's extra_info for the duration of the call;
   afterwards they log the plan's statistics (`odc_balance/*` for the actor's update, `odc_balance/<stage>/*`
-  for the others, `plan_s` the seconds planning took) and, for an update, take the `auto` cost's fit from
+  for the others, `plan_s` and `dispatch_s` the driver's seconds planning and splitting the batch by the
+  plan) and, for an update, take the `auto` cost's fit from
   the metrics the engine reported (`<role>/odc/fit_*`) for the next plans, logged as `odc_balance/fit_*`,
   `rank_speed_min|max` and the plan's `prediction_error` (its predicted time over the measured one).
 * the dispatch function of `ActorRolloutRefWorker.update_actor` (`workers/engine_workers.py:708`),
@@ -31,6 +32,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import time
 
 from odc_patches import PatchError, require_attr, require_verl_version
 
@@ -104,10 +106,14 @@ def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
         worker_group._dispatch_info[mesh_name] = worker_group._query_dispatch_info(mesh_name)
     dp_rank_mapping = worker_group._dispatch_info[mesh_name]
     dp_size = max(dp_rank_mapping) + 1
+    start, request = time.perf_counter(), planned[0].extra_info[PLAN_KEY]
     pieces = split_by_plan(planned[0], dp_size)
     if args:
-        return dispatch_nd_compute(dp_rank_mapping, dp_size, worker_group, pieces)
-    return dispatch_nd_compute(dp_rank_mapping, dp_size, worker_group, **{next(iter(kwargs)): pieces})
+        out = dispatch_nd_compute(dp_rank_mapping, dp_size, worker_group, pieces)
+    else:
+        out = dispatch_nd_compute(dp_rank_mapping, dp_size, worker_group, **{next(iter(kwargs)): pieces})
+    request.dispatch_s = time.perf_counter() - start - request.plan_s
+    return out
 
 
 def _dispatch_dicts():
@@ -259,6 +265,7 @@ def _wrap_stage(stock, stage: str):
         prefix = _METRICS_PREFIX[stage]
         metrics.update(plan_metrics(request.plan, request.seqlens, settings.cost, prefix))
         metrics[f"{prefix}/plan_s"] = request.plan_s
+        metrics[f"{prefix}/dispatch_s"] = request.dispatch_s
         if stage in _UPDATES:
             observed = settings.observe(metrics, stage)
             measured = metrics.get(f"{stage}/odc/compute_s_max")

@@ -325,6 +325,7 @@ class PlanRequest:
     seqlens: list[int] = field(default_factory=list)
     fit: TimeFit | None = None  # the fit the plan was made with
     plan_s: float = 0.0  # seconds spent finding verl's steps and planning them
+    dispatch_s: float = 0.0  # seconds spent splitting the batch by the plan and handing it to verl's dispatch
 
 
 def split_by_plan(meta, dp_size: int) -> list:

@@ -375,7 +375,7 @@ def test_trainer_plans_lb_mini_updates_for_odc_on_verls_steps(tmp_path):
     assert PLAN_KEY not in balanced.extra_info  # only for the duration of the call
     # uneven: the 60-token sample sits nearly alone
     assert metrics["odc_balance/samples_min"] < metrics["odc_balance/samples_max"]
-    for key in ("min", "max", "efficiency", "samples_min", "samples_max", "micro_batches_max", "plan_s"):
+    for key in ("min", "max", "efficiency", "samples_min", "samples_max", "micro_batches_max", "plan_s", "dispatch_s"):
         assert f"odc_balance/{key}" in metrics and f"odc_balance/critic/{key}" in metrics
     assert metrics["perf/mfu/actor"] == 0.5 and metrics["perf/mfu/critic"] == 0.5
 
