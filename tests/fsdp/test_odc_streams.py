@@ -1,0 +1,50 @@
+"""ODC reads FSDP's reduce-scatter input after FSDP has let go of it: the hook keeps it until the
+accumulates reading it are issued, and on a GPU records their stream with the caching allocator.
+
+FSDP2 records its reduce-scatter event right after the custom reduce-scatter returns, and once the
+compute stream has passed that event the buffer may be handed out again; ODC's accumulates are issued
+later, from the post-accumulate-grad hooks, on the reduce-scatter stream. Without the recorded stream a
+lagging reduce-scatter stream would read a buffer the next layer's backward already writes into.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from odc_plugin.launch import run_ranks
+
+from . import stream_workers, workers
+from .test_odc_core import random_plan, reference_grads
+
+
+def test_the_hook_holds_the_reduce_scatter_input_until_its_accumulates_are_issued():
+    seqs = workers.make_sequences(9, seed=51)
+    plan = random_plan(len(seqs), [3, 1, 2], seed=51)
+    results = run_ranks(stream_workers.watched_grads, 3, seqs, plan, "cpu", 0)
+    expected = reference_grads(seqs)
+    for rank, r in enumerate(results):
+        assert r["accumulates"] > 0 and r["all_held"], (rank, r["accumulates"])
+        assert not r["held_after_end"], rank
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="needs a CUDA GPU and Triton (the cuda_ipc transport): the hazard is between CUDA streams",
+)
+def test_gradients_stay_exact_when_the_reduce_scatter_stream_lags_behind_compute():
+    """2 ranks on the GPU(s) over CUDA IPC, 8 one-sequence micro-batches each (short: the next layer's
+    backward starts while the last accumulates still wait), the reduce-scatter stream delayed ~1 ms before
+    every accumulate: the gradients equal one process's (which is stock FSDP2's math) on the same GPU."""
+    seqs = workers.make_sequences(16, seed=52, max_len=12)
+    plan = [[[i] for i in range(8)], [[i] for i in range(8, 16)]]
+    results = run_ranks(stream_workers.watched_grads, 2, seqs, plan, "cuda", 2_000_000)
+    expected = reference_grads(seqs, "cuda")
+    for rank, r in enumerate(results):
+        assert r["all_held"], rank
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
