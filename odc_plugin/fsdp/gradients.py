@@ -38,8 +38,16 @@ class _Slot:
     param: torch.nn.Parameter  # a sharded DTensor parameter
     start: int  # elements into the accumulator
     padded_numel: int  # elements the accumulator reserves for it
-    view: DTensor | None  # its accumulator slice as its `.grad` (fp32 parameters), else None: a copy
+    slice: torch.Tensor | None  # its accumulator slice, shaped as its local shard (fp32 parameters), else None
     zeros: DTensor  # its `.grad` during a mini-batch
+
+    def is_view(self, grad: DTensor) -> bool:
+        """Whether `grad` is this slot's accumulator slice. By address, not by object: moving a module
+        (`model.to(device)`, as verl's parameter offload does) swaps a `.grad` tensor's data in place."""
+        local = grad.to_local()
+        return (
+            self.slice is not None and local.device == self.slice.device and local.data_ptr() == self.slice.data_ptr()
+        )
 
 
 class GradientStorage:
@@ -59,9 +67,7 @@ class GradientStorage:
         self.slots: list[_Slot] = []
         for slot, start in slots:
             param, local = slot.param, slot.param.to_local()
-            view = None
-            if local.dtype == torch.float32:
-                view = _as_grad_of(param, self.acc[start : start + local.numel()].view(local.shape))
+            view = self.acc[start : start + local.numel()].view(local.shape) if local.dtype == torch.float32 else None
             zero = _as_grad_of(param, zeros[local.dtype][: local.numel()].view(local.shape))
             self.slots.append(_Slot(param, start, slot.padded_numel, view, zero))
         self._had = [False] * len(self.slots)  # whose `.grad` was set when the mini-batch began
@@ -70,7 +76,7 @@ class GradientStorage:
     @property
     def grad_storage_bytes(self) -> int:
         """Bytes of sharded `.grad` that the accumulator stands in for: what FSDP2 holds and ODC does not."""
-        return sum(s.param.to_local().numel() * 4 for s in self.slots if s.view is not None)
+        return sum(s.slice.numel() * 4 for s in self.slots if s.slice is not None)
 
     @torch.no_grad()
     def begin(self, divide_factor: float) -> None:
@@ -84,11 +90,11 @@ class GradientStorage:
                 if grad is None:
                     padded.zero_()
                     continue
-                if grad is not s.view:  # assigned by the caller, a backward outside a mini-batch, or a copy
+                if not s.is_view(grad):  # assigned by the caller, a backward outside a mini-batch, or a copy
                     local = grad.to_local()
                     padded.zero_()
                     padded[: local.numel()].copy_(local.reshape(-1))
-                    if s.view is None:
+                    if s.slice is None:
                         self._copies[i] = grad
                 padded.mul_(divide_factor)
         else:
@@ -100,7 +106,7 @@ class GradientStorage:
     def prepare_end(self) -> None:
         """Allocate the `.grad` copies that end() fills (before the outcome is decided: see the module)."""
         for i, s in enumerate(self.slots):
-            if s.view is None and self._copies[i] is None:
+            if s.slice is None and self._copies[i] is None:
                 self._copies[i] = _as_grad_of(s.param, torch.empty_like(s.param.to_local()))
 
     @torch.no_grad()
@@ -114,8 +120,8 @@ class GradientStorage:
         for i, s in enumerate(self.slots):
             if not (used[i] or self._had[i]):
                 s.param.grad = None
-            elif s.view is not None:
-                s.param.grad = s.view
+            elif s.slice is not None:
+                s.param.grad = _as_grad_of(s.param, s.slice)
             else:
                 local = self._copies[i].to_local()
                 local.copy_(self.acc[s.start : s.start + local.numel()].view(local.shape))
@@ -124,10 +130,8 @@ class GradientStorage:
 
     @torch.no_grad()
     def drop(self) -> None:
-        """After a failed mini-batch, once no peer adds into the accumulator any more: every `.grad` None,
-        the accumulator zero."""
+        """After a failed mini-batch, once no peer adds into the accumulator any more (the caller sets every
+        `.grad` to None): the accumulator zero."""
         self.region.zero_()
-        for s in self.slots:
-            s.param.grad = None
         self._had = [False] * len(self.slots)
         self._copies = [None] * len(self.slots)

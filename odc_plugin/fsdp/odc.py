@@ -244,7 +244,7 @@ class OnDemandComm:
         """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes. If it
         raises, the mini-batch has failed on every rank (see `abort`)."""
         self._check_usable()
-        with self._failure_ends_the_minibatch():
+        with self.guard():
             if self.in_minibatch:
                 raise RuntimeError("ODC begin() called twice without end()")
             if backward and not self.config.trains:
@@ -275,7 +275,7 @@ class OnDemandComm:
             raise RuntimeError("ODC end() called without begin()")
         backward = self._backward and self._gradients is not None
         arrive = time.perf_counter()
-        with self._failure_ends_the_minibatch():
+        with self.guard():
             for scatter in self._scatters:
                 scatter.check_sent()
             if backward:
@@ -307,7 +307,10 @@ class OnDemandComm:
         self.end()
 
     @contextlib.contextmanager
-    def _failure_ends_the_minibatch(self):
+    def guard(self):
+        """Work of this rank for a mini-batch, inside it or before its begin() (preparing its data): an
+        exception in it fails, on every rank, the open mini-batch or else the one the peers begin next
+        (`abort`); what propagates is what abort returns. begin() and end() run under it."""
         try:
             yield
         except BaseException as error:
@@ -349,6 +352,8 @@ class OnDemandComm:
             return error
         if self._gradients is not None:
             self._gradients.drop()
+        for param in self.model.parameters():
+            param.grad = None  # with one rank, FSDP's own, half summed
         if not isinstance(error, ODCPeerFailedError) or not notices:
             return error
         first = first_failure(notices)

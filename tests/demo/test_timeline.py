@@ -28,3 +28,36 @@ def test_one_sided_calls_are_transfer_and_waits_for_peers_or_barriers_are_waitin
 def test_ranks_out_of_step_on_collectives_are_an_error():
     with pytest.raises(ValueError, match="different numbers of collectives"):
         breakdown(1.0, [1.0, 1.0], [[(0, 0.1, COLLECTIVE)], []])
+
+
+def _announce_through_the_timed_transport(rank, world_size):
+    """Rank 1 announces a failure through the demo's timed transport while its peers wait at a barrier
+    (timeout 600 s); then every rank recovers through it and meets again."""
+    from odc_plugin.comm import ODCPeerFailedError, make_transport
+    from odc_plugin.demo.timeline import CommClock, TimedTransport
+
+    clock = CommClock()
+    transport = TimedTransport(make_transport("shm"), clock)
+    seen = None
+    if rank == 1:
+        transport.announce_failure("RuntimeError: timed")
+    else:
+        try:
+            transport.barrier(600)
+        except ODCPeerFailedError as e:
+            seen = str(e)
+    notices = [(n.rank, n.message) for n in transport.recover(30)]
+    transport.barrier(30)
+    transport.close()
+    return seen, notices, [kind for _, _, kind in clock.intervals]
+
+
+def test_the_timed_transport_passes_failure_notices_and_recovery_through():
+    from odc_plugin.launch import run_ranks
+
+    results = run_ranks(_announce_through_the_timed_transport, 3)
+    for rank, (seen, notices, kinds) in enumerate(results):
+        if rank != 1:
+            assert seen == f"rank {rank}: rank 1 failed in its mini-batch: RuntimeError: timed", seen
+        assert notices == [(1, "RuntimeError: timed")], notices
+        assert kinds == [BARRIER] * (2 if rank == 1 else 3), kinds  # the recovery meeting is time spent waiting

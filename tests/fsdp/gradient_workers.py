@@ -111,3 +111,17 @@ def bf16_params_grads(rank, world_size, seqs, plan, use_odc):
         odc.end()
     dtypes = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
     return full_grads(model), dtypes
+
+
+def offloaded_adamw_steps(rank, world_size, seqs, plan, steps):
+    """workers.train_steps with FSDP2's CPU offload (offload_policy): on CPU the accumulator, and so the
+    gradients, are on the parameters' device."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from .workers import adamw_steps
+
+    model, mesh = build_qwen2("tiny", seed=0), init_device_mesh("cpu", (world_size,))
+    for module in [*model.model.layers, model]:
+        fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    odc = apply_odc(model, make_transport("shm"))
+    return adamw_steps(model, odc, rank, world_size, seqs, plan, steps)

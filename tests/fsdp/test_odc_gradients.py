@@ -85,3 +85,10 @@ def test_bf16_parameters_get_bf16_gradient_copies_equal_to_stock_fsdp2():
         same += int((got == grad).sum())
         total += grad.numel()
     print(f"bf16 gradients identical to stock FSDP2's in {same} of {total} elements")
+
+
+def test_fsdp2_cpu_offload_trains_with_gradients_on_the_parameters_device():
+    seqs = workers.make_sequences(9, seed=17)
+    plan = random_plan(len(seqs), [2, 1, 2], seed=17)
+    results = run_ranks(gradient_workers.offloaded_adamw_steps, WORLD, seqs, plan, 2)
+    print(assert_weights_agree(results[0], reference_train_steps(seqs, 2), 1e-5, "offload_policy"))
