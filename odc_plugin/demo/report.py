@@ -74,6 +74,10 @@ def print_table(report: dict) -> None:
         f"max |parameter difference| between rows after {report['config']['steps']} mini-batches: "
         f"{report['max_param_diff']:.2e}; memory of all ranks: {report['memory_mb'] / 1024:.1f} GiB (PSS)"
     )
+    print(
+        f"ODC's memory over FSDP2: {report['extra_bytes_per_param']:.3f} bytes per parameter of a rank's shards "
+        f"(the published shards in the gather dtype, the accumulator's padding and flags; measured from its regions)"
+    )
 
 
 def plot_breakdown(report: dict, path: str) -> None:

@@ -158,3 +158,9 @@ def final_param_diff(rows: dict[str, Row]) -> float:
     }
     ref = final[ROWS[0]]
     return max((params[n] - ref[n]).abs().max().item() for params in final.values() for n in ref)
+
+
+def extra_bytes_per_param(rows: dict[str, Row]) -> float:
+    """What ODC holds beyond stock FSDP2 per parameter of this rank's shards, measured from the regions
+    of the ODC rows (the largest: they share the model, the lockstep row its regions too)."""
+    return max(row.odc.memory_bytes().extra_bytes_per_param for row in rows.values() if row.odc)

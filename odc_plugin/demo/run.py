@@ -32,6 +32,7 @@ from .rows import (
     AUTO_ROW,
     ROWS,
     build_rows,
+    extra_bytes_per_param,
     factors,
     final_param_diff,
     plan_of,
@@ -184,6 +185,7 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
         "record": record,
         "max_param_diff": final_param_diff(rows),
         "memory_mb": _memory_mb(),
+        "extra_bytes_per_param": extra_bytes_per_param(rows),
         "auto_plans": plans.get(AUTO_ROW),
         "auto_fits": [f and dataclasses.asdict(f) for f in auto_fits],
     }
@@ -252,6 +254,7 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, ideal, calibration)
         "calibration": calibration,
         "max_param_diff": max(r["max_param_diff"] for r in per_rank),
         "memory_mb": sum(r["memory_mb"] for r in per_rank),
+        "extra_bytes_per_param": max(r["extra_bytes_per_param"] for r in per_rank),
         "auto_fits": per_rank[0]["auto_fits"],  # the fit each auto mini-batch was planned with (None: prior)
     }
 

@@ -58,8 +58,12 @@ def test_tiny_demo_reports_four_rows_that_train_the_same_samples_to_the_same_par
     assert set(report["factors"]) == set(report["predicted_factors"]) == set(FACTORS) - {"auto", "lb_mini_auto"}
     assert report["predicted_factors"]["transport"] == 1.0  # the planner has no transport in it
     assert report["max_param_diff"] < 1e-5
+    # fp32 gathers: the published shards, 4 bytes per parameter, and the accumulator's padding (its
+    # gradients are the `.grad` FSDP2 would hold)
+    assert 4 <= report["extra_bytes_per_param"] < 4.1, report["extra_bytes_per_param"]
     out = capfd.readouterr().out  # the progress lines come from rank 0's process
     assert "ODC+LB-Mini over the lockstep baseline on the same transport" in out and "mini-batch 2/2" in out
+    assert "ODC's memory over FSDP2: " in out
 
 
 def test_sft_workload_is_long_tailed_and_trains_response_likelihood():
