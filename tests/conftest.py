@@ -10,9 +10,13 @@ import tempfile
 import pytest
 
 # With two workers taking a file each (pyproject's addopts), the longest files, verl's real trainer
-# runs (~11 min at 2 ranks, ~4 min at 8 emulated ones), must start first, one on each worker: started
-# last, either alone would set the suite's wall time.
-LONGEST_FIRST = ("tests/verl/test_main_ppo.py", "tests/verl/test_trainer_emulated.py")
+# runs (~11 min at 2 ranks, ~9 min for verl's settings, ~4 min at 8 emulated ones), must start first:
+# started last, any one alone would set the suite's wall time.
+LONGEST_FIRST = (
+    "tests/verl/test_main_ppo.py",
+    "tests/verl/test_verl_settings.py",
+    "tests/verl/test_trainer_emulated.py",
+)
 
 # verl's checkpoint saving (verl.utils.fs.local_mkdir_safe) leaves an empty lock file in the temp dir
 # for every directory it creates and never removes it; the suite's checkpoints would leave ~100 a run.

@@ -1,17 +1,22 @@
-"""Golden per-step metrics of `odc-grpo-cpu`'s deterministic run, committed next to this file, so that a
+"""Golden per-step metrics of `odc-grpo-cpu`'s deterministic runs, committed next to this file, so that a
 change that moves fsdp2 and odc the same way (a verl patch, the CPU rollout, the assets) is seen too.
 
-    python -m tests.verl.golden [--out DIR]            # run it and refresh golden/grpo_cpu.json
-    python -m tests.verl.golden --check DIR             # compare a finished run's metrics with the file
+    python -m tests.verl.golden [--config NAME] [--out DIR]   # run them and refresh golden/<NAME>.json
+    python -m tests.verl.golden --config NAME --check DIR     # compare a finished run's metrics with its file
 
-The run is `odc-grpo-cpu --steps 3` with the KL loss on (the `grpo_cli` run of test_main_ppo, which checks
-it against the file). Rewards and lengths are compared exactly (sampling is seeded; they change only
-when the weights that sample do), losses and gradient norms to RTOL: float32 sums taken in another order
-differ by up to 6e-6 here (fsdp2 against odc in one run: the KL loss of step 2; 7e-5 on an earlier
-asset build), while a learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% and 6% (and the
-gradient norm of step 3 by 4%), which RTOL = 1e-3 catches with room on both sides.
+Two configurations (CONFIGS): `grpo_cpu`, `odc-grpo-cpu --steps 3` with the KL loss on (the `grpo_cli`
+run of test_main_ppo, which checks it against its file), one mini-batch per step and dynamic batch
+sizes; and `grpo_cpu_example`, the batching of verl's own example scripts
+(examples/grpo_trainer/run_qwen2-7b_math.sh: fixed micro-batch sizes, four mini-batches per step, the
+low_var_kl KL loss, gradient checkpointing, the reference model's parameters offloaded) with rank 1
+slowed down so that LB-Mini's shares are uneven (the first row of test_verl_settings, which checks it).
+Rewards and lengths are compared exactly (sampling is seeded; they change only when the weights that
+sample do), losses and gradient norms to RTOL: float32 sums taken in another order differ by up to 6e-6
+here (fsdp2 against odc in one run: the KL loss of step 2; 7e-5 on an earlier asset build), while a
+learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% and 6% (and the gradient norm of step 3
+by 4%), which RTOL = 1e-3 catches with room on both sides.
 
-The file also holds a fingerprint of the tiny model the run starts from (its weights depend on the
+Each file also holds a fingerprint of the tiny model the run starts from (its weights depend on the
 tokenizer and the data too, through the warm start). The assets are built once per machine and cached;
 a cache left by older code under the same `assets.VERSION` gives other metrics for reasons no change
 under test explains, so a mismatch of the fingerprint is reported first, naming the cache. So are the
@@ -34,9 +39,35 @@ from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu.assets import ensure_assets
 from odc_plugin.verl.cpu.grpo import STRATEGIES
 
-GOLDEN_FILE = Path(__file__).parent / "golden" / "grpo_cpu.json"
+GOLDEN_DIR = Path(__file__).parent / "golden"
 KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
 RUN_ARGS = ["--steps", "3", *KL_LOSS]
+# verl's example batching (examples/grpo_trainer/run_qwen2-7b_math.sh) at this machine's size: 8 prompts x 4
+# responses per step, mini-batches of 2 prompts (4 per step), 2 samples per update micro-batch, 4 per
+# log-prob micro-batch.
+FIXED_MICRO_BATCHES = [
+    "actor_rollout_ref.actor.use_dynamic_bsz=False",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    # verl requires the log-prob passes to batch as the update does (engine_workers.py:616)
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=False",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+]
+EXAMPLE_BATCHING = [
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    *FIXED_MICRO_BATCHES,
+    *KL_LOSS,
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+]
+# rank 1 three times slower, in both runs: the auto cost's rank speeds then make LB-Mini's shares uneven
+EXAMPLE_SLOW_RANKS = "1:3"
+CONFIGS = {
+    "grpo_cpu": RUN_ARGS,
+    "grpo_cpu_example": ["--steps", "3", "--slow-ranks", EXAMPLE_SLOW_RANKS, *EXAMPLE_BATCHING],
+}
 EXACT = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
 CLOSE = ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
 RTOL = 1e-3
@@ -90,9 +121,14 @@ def library_versions() -> dict[str, str]:
     return {name: version(name) for name in LIBRARIES}
 
 
-def compare(runs: dict[str, dict[int, dict]]) -> list[str]:
-    """What differs between a finished run and the golden file, one line each; empty when they agree."""
-    golden = json.loads(GOLDEN_FILE.read_text())
+def golden_file(config: str) -> Path:
+    return GOLDEN_DIR / f"{config}.json"
+
+
+def compare(runs: dict[str, dict[int, dict]], config: str = "grpo_cpu") -> list[str]:
+    """What differs between a finished run of `config` and its golden file, one line each; empty when they
+    agree."""
+    golden = json.loads(golden_file(config).read_text())
     lines = []
     model_dir = ensure_assets(log=lambda _: None).model_dir
     if golden.get("assets") != (fingerprint := assets_fingerprint(model_dir)):
@@ -117,27 +153,22 @@ def read_run(out_dir: str) -> dict[str, dict[int, dict]]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.verl.golden", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="golden_run", help="where the refreshing run writes (default ./golden_run)")
-    parser.add_argument("--check", metavar="DIR", help="compare the run in DIR with the golden file; no new run")
-    args = parser.parse_args(argv)
-    if args.check:
-        lines = compare(read_run(args.check))
-        print("\n".join(lines) if lines else f"{args.check} matches {GOLDEN_FILE}")
-        return 1 if lines else 0
-    old = json.loads(GOLDEN_FILE.read_text())["metrics"] if GOLDEN_FILE.exists() else {}
-    proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *RUN_ARGS, "--out", args.out])
+def refresh(config: str, out_dir: str) -> int:
+    """Run `config` and rewrite its golden file; prints what changed."""
+    path = golden_file(config)
+    old = json.loads(path.read_text())["metrics"] if path.exists() else {}
+    args = CONFIGS[config]
+    proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *args, "--out", out_dir])
     if proc.returncode:
-        print(f"the run failed (exit {proc.returncode}); {GOLDEN_FILE} left as it was")
+        print(f"the run failed (exit {proc.returncode}); {path} left as it was")
         return proc.returncode
-    new = golden_metrics(read_run(args.out))
+    new = golden_metrics(read_run(out_dir))
     lines = differences(new, old)
-    GOLDEN_FILE.parent.mkdir(exist_ok=True)
-    GOLDEN_FILE.write_text(
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(
         json.dumps(
             {
-                "command": f"odc-grpo-cpu {' '.join(RUN_ARGS)}",
+                "command": f"odc-grpo-cpu {' '.join(args)}",
                 "assets": assets_fingerprint(ensure_assets(log=lambda _: None).model_dir),
                 "versions": library_versions(),
                 "rtol": RTOL,
@@ -147,8 +178,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         + "\n"
     )
-    print(f"{GOLDEN_FILE} refreshed; what changed:" if lines else f"{GOLDEN_FILE} refreshed; nothing changed")
+    print(f"{path} refreshed; what changed:" if lines else f"{path} refreshed; nothing changed")
     print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.verl.golden", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=CONFIGS, help="which configuration (default: every one)")
+    parser.add_argument("--out", default="golden_run", help="where the refreshing runs write (default ./golden_run)")
+    parser.add_argument("--check", metavar="DIR", help="compare the run of --config in DIR with its golden file")
+    args = parser.parse_args(argv)
+    if args.check:
+        if args.config is None:
+            parser.error("--check needs --config")
+        lines = compare(read_run(args.check), args.config)
+        print("\n".join(lines) if lines else f"{args.check} matches {golden_file(args.config)}")
+        return 1 if lines else 0
+    for config in [args.config] if args.config else list(CONFIGS):
+        if rc := refresh(config, os.path.join(args.out, config)):
+            return rc
     return 0
 
 

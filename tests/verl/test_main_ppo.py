@@ -22,9 +22,8 @@ from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
 from tests.verl import golden
+from tests.verl.trainer_runs import RANKS, RUN_TIMEOUT_S, Trained, close, leftover_ray_processes, train
 
-RANKS = 2
-RUN_TIMEOUT_S = 900
 ODC_OPTIONS = ["hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc"]
 KL_LOSS = golden.KL_LOSS
 PPO = [
@@ -47,47 +46,6 @@ def assets():
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     return tmp_path_factory.mktemp("main_ppo")
-
-
-class Trained:
-    def __init__(self, result: grpo.RunResult):
-        self.result = result
-        self.metrics = read_metrics(result.metrics_file) if os.path.exists(result.metrics_file) else {}
-
-    def log(self) -> str:
-        with open(self.result.log_file, encoding="utf-8", errors="replace") as fp:
-            return fp.read()
-
-    def assert_ok(self, steps: int) -> None:
-        assert self.result.returncode == 0, grpo.last_error(self.result.log_file)
-        assert sorted(self.metrics) == list(range(1, steps + 1))
-        assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
-
-
-def train(
-    out, assets, name: str, strategy: str, steps: int, overrides=(), timeout_s=RUN_TIMEOUT_S, ranks: int = RANKS
-) -> Trained:
-    run_dir = out / name
-    run_dir.mkdir(exist_ok=True)
-    args = grpo.run_args(
-        grpo.settings(assets, ranks, steps, str(run_dir)), strategy, list(overrides), str(run_dir / f"{strategy}.jsonl")
-    )
-    result = grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None)
-    # a record of every e2e run's cost, next to the runs
-    with open(out / "runs.txt", "a") as fp:
-        fp.write(
-            f"{name}/{strategy}: {result.steps} steps in {result.wall_s:.0f} s, "
-            f"peak memory {result.peak_pss_gib:.2f} GiB\n"
-        )
-    return Trained(result)
-
-
-def leftover_ray_processes() -> list:
-    return [p for p in psutil.process_iter(["cmdline"]) if any("odc-ray-" in c for c in p.info["cmdline"] or ())]
-
-
-def close(a: float, b: float, rtol: float) -> bool:
-    return abs(a - b) <= rtol * max(abs(a), abs(b))
 
 
 # ---------------------------------------------------------------------------------------------

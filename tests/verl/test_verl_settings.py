@@ -1,0 +1,179 @@
+"""verl's own configurations under `strategy=odc`: the settings of verl's GRPO and PPO example scripts
+(examples/grpo_trainer/, examples/ppo_trainer/ in verl's repository), each trained by verl's real trainer
+(`main_ppo`, 2 CPU ranks, 3 steps) under fsdp2 and under odc from the same weights on the same rollouts,
+and compared step by step: the same rewards and lengths, and the actor's (and critic's) gradient norm,
+policy loss, entropy, KL loss and value loss to the golden metrics' tolerance. A setting odc cannot train
+as fsdp2 does is refused by odc with a one-line error instead, and that is a row here too.
+
+Settings that do not interact share a row, to keep the CI budget: about 1.5 minutes a row. Each row's
+worst relative difference is written to `verl_settings.md` in the run's temporary directory (printed
+with `-s`), the table README shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from odc_plugin.verl.cpu import grpo
+from odc_plugin.verl.cpu.assets import ensure_assets
+from tests.verl import golden
+from tests.verl.trainer_runs import relative_difference, train
+
+STEPS = 3
+ACTOR = "actor_rollout_ref.actor"
+# the same rollouts: compared exactly
+SAME = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
+# what training computed: compared to the golden metrics' tolerance
+COMPARED = (
+    "actor/grad_norm",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/kl_loss",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "critic/values/mean",
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the README row
+    overrides: tuple[str, ...]
+    slow_ranks: str | None = None
+    uneven: bool = False  # LB-Mini must have given the ranks different shares in some step
+    refused: str | None = None  # odc's one-line error: the row does not train under odc
+
+
+SETTINGS = (
+    Setting(
+        "verl's example batching (run_qwen2-7b_math.sh): fixed micro-batch sizes (update 2, log-probs 4), "
+        "4 mini-batches per step, low_var_kl KL loss, gradient checkpointing, reference param offload; "
+        "uneven shares (rank 1 3x slow)",
+        tuple(golden.EXAMPLE_BATCHING),
+        golden.EXAMPLE_SLOW_RANKS,
+        uneven=True,
+    ),
+    Setting(
+        "2 epochs, shuffled; entropy_coeff 0.01; clip ratios 0.1 / 0.15; seq-mean-token-mean; 2 mini-batches",
+        (
+            f"{ACTOR}.ppo_mini_batch_size=4",
+            f"{ACTOR}.ppo_epochs=2",
+            f"{ACTOR}.shuffle=True",
+            f"{ACTOR}.entropy_coeff=0.01",
+            f"{ACTOR}.clip_ratio_low=0.1",
+            f"{ACTOR}.clip_ratio_high=0.15",
+            f"{ACTOR}.loss_agg_mode=seq-mean-token-mean",
+        ),
+    ),
+    Setting(
+        "actor param + optimizer offload; no_sync gradient accumulation; token-sum; mse KL loss; "
+        "fixed micro-batch size 2; 2 mini-batches",
+        (
+            *golden.FIXED_MICRO_BATCHES,
+            f"{ACTOR}.ppo_mini_batch_size=4",
+            f"{ACTOR}.fsdp_config.param_offload=True",
+            f"{ACTOR}.fsdp_config.optimizer_offload=True",
+            f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation=True",
+            f"{ACTOR}.loss_agg_mode=token-sum",
+            *golden.KL_LOSS,
+            f"{ACTOR}.kl_loss_type=mse",
+        ),
+    ),
+    Setting(
+        "FSDP2's own CPU offload (offload_policy); seq-mean-token-sum; 2 mini-batches",
+        (
+            f"{ACTOR}.fsdp_config.offload_policy=True",
+            f"{ACTOR}.loss_agg_mode=seq-mean-token-sum",
+            f"{ACTOR}.ppo_mini_batch_size=4",
+        ),
+    ),
+    Setting(
+        "PPO with a critic (run_deepseek7b_llm.sh), actor and critic on fixed micro-batch sizes; "
+        "seq-mean-token-sum-norm with loss_scale_factor; 2 mini-batches",
+        (
+            "algorithm.adv_estimator=gae",
+            "critic.optim.lr=1e-4",
+            "critic.use_dynamic_bsz=False",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+            "critic.ppo_mini_batch_size=4",
+            *golden.FIXED_MICRO_BATCHES,
+            f"{ACTOR}.ppo_mini_batch_size=4",
+            f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm",
+            f"{ACTOR}.loss_scale_factor=64",
+        ),
+    ),
+    Setting(
+        "seq-mean-token-sum-norm without loss_scale_factor (each micro-batch's loss over its own padded length)",
+        (f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm",),
+        refused=(
+            "odc: actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm without "
+            "actor_rollout_ref.actor.loss_scale_factor divides each micro-batch's loss by its own padded length, "
+            "which differs under strategy=odc; set actor_rollout_ref.actor.loss_scale_factor "
+            "(e.g. to data.max_response_length)"
+        ),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def assets():
+    return ensure_assets()
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    """The README table of this module's rows, written as they finish."""
+    rows: list[str] = []
+    path = tmp_path_factory.mktemp("verl_settings") / "verl_settings.md"
+    yield rows
+    path.write_text(
+        "| setting | same as fsdp2 (worst relative difference over 3 steps) | refused (the message) |\n"
+        "|---|---|---|\n" + "".join(f"{row}\n" for row in rows)
+    )
+    print(f"\n{path}:\n{path.read_text()}")
+
+
+def _worst_difference(fsdp2: dict[int, dict], odc: dict[int, dict]) -> tuple[float, str]:
+    """Per step, the rollouts must be the same and every compared metric equal to the golden tolerance;
+    returns the worst relative difference and where it was."""
+    worst, where = 0.0, ""
+    for step in range(1, STEPS + 1):
+        a, b = fsdp2[step], odc[step]
+        for key in SAME:
+            assert a[key] == b[key], (step, key, a[key], b[key])
+        compared = [key for key in COMPARED if key in a]
+        assert "actor/grad_norm" in compared
+        for key in compared:
+            difference = relative_difference(a[key], b[key])
+            assert difference <= golden.RTOL, f"step {step} {key}: fsdp2 {a[key]!r}, odc {b[key]!r}"
+            if difference >= worst:
+                worst, where = difference, f"{key} step {step}"
+    return worst, where
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[f"row{i + 1}" for i in range(len(SETTINGS))])
+def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_factory, table):
+    out = tmp_path_factory.mktemp("setting")
+    if setting.refused:
+        run = train(out, assets, "odc", "odc", 1, setting.overrides)
+        assert run.result.returncode != 0 and not run.metrics
+        assert grpo.last_error(run.result.log_file).endswith(setting.refused)
+        assert not grpo.ray_processes(run.result.ray_dir)
+        table.append(f"| {setting.name} | | `{setting.refused}` |")
+        return
+    runs = {
+        s: train(out, assets, s, s, STEPS, setting.overrides, slow_ranks=setting.slow_ranks) for s in ("fsdp2", "odc")
+    }
+    for run in runs.values():
+        run.assert_ok(STEPS)
+    worst, where = _worst_difference(runs["fsdp2"].metrics, runs["odc"].metrics)
+    odc = runs["odc"].metrics
+    if setting.uneven:
+        uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] < m["odc_balance/samples_max"]]
+        assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
+    if setting.overrides == tuple(golden.EXAMPLE_BATCHING):
+        lines = golden.compare({s: r.metrics for s, r in runs.items()}, "grpo_cpu_example")
+        assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
+    table.append(f"| {setting.name} | {worst:.1e} ({where}) | |")

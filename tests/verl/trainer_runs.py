@@ -1,0 +1,72 @@
+"""Runs of verl's real trainer (`python -m verl.trainer.main_ppo`) on CPU for the tests, through the module
+behind `odc-grpo-cpu`: each run in its own process tree, its metrics what verl's `file` logger wrote."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from odc_plugin.verl.ab_report import read_metrics
+from odc_plugin.verl.cpu import grpo
+
+RANKS = 2
+RUN_TIMEOUT_S = 900
+
+
+class Trained:
+    def __init__(self, result: grpo.RunResult):
+        self.result = result
+        self.metrics = read_metrics(result.metrics_file) if os.path.exists(result.metrics_file) else {}
+
+    def log(self) -> str:
+        with open(self.result.log_file, encoding="utf-8", errors="replace") as fp:
+            return fp.read()
+
+    def assert_ok(self, steps: int) -> None:
+        assert self.result.returncode == 0, grpo.last_error(self.result.log_file)
+        assert sorted(self.metrics) == list(range(1, steps + 1))
+        assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
+
+
+def train(
+    out,
+    assets,
+    name: str,
+    strategy: str,
+    steps: int,
+    overrides=(),
+    timeout_s=RUN_TIMEOUT_S,
+    ranks: int = RANKS,
+    slow_ranks: str | None = None,
+) -> Trained:
+    """One run of `strategy` with odc-grpo-cpu's settings plus `overrides`, in `out/name`."""
+    run_dir = out / name
+    run_dir.mkdir(exist_ok=True)
+    args = grpo.run_args(
+        grpo.settings(assets, ranks, steps, str(run_dir)),
+        strategy,
+        list(overrides),
+        str(run_dir / f"{strategy}.jsonl"),
+        slow_ranks,
+    )
+    result = grpo.run_trainer(strategy, args, str(run_dir), steps, timeout_s, echo=lambda _: None)
+    # a record of every e2e run's cost, next to the runs
+    with open(out / "runs.txt", "a") as fp:
+        fp.write(
+            f"{name}/{strategy}: {result.steps} steps in {result.wall_s:.0f} s, "
+            f"peak memory {result.peak_pss_gib:.2f} GiB\n"
+        )
+    return Trained(result)
+
+
+def leftover_ray_processes() -> list:
+    return [p for p in psutil.process_iter(["cmdline"]) if any("odc-ray-" in c for c in p.info["cmdline"] or ())]
+
+
+def close(a: float, b: float, rtol: float) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def relative_difference(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
