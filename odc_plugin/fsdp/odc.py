@@ -371,6 +371,9 @@ class OnDemandComm:
             _add_note(
                 error, f"ODC could not announce this failure ({failure}); peers fail after barrier_timeout_s instead"
             )
+            return
+        # Which rank failed, under the exception wherever it is printed (a driver may show any rank's error).
+        _add_note(error, f"ODC: rank {dist.get_rank()} failed mini-batch {self.epoch}, which failed on every rank")
 
     def _recover(self) -> list[FailureNotice]:
         """The recovery meeting: the shard group at its transport (no accumulate of the failed mini-batch

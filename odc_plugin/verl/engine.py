@@ -43,7 +43,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDP
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit
-from ..comm import make_transport
+from ..comm import ODCPeerFailedError, make_transport
 from ..fsdp import ODCConfig, apply_odc, shard_group
 from ..moe import ExpertRouting, routing_metrics
 from .config import as_odc_config
@@ -85,7 +85,11 @@ class _ODCEngineMixin:
         self.odc = apply_odc(
             module,
             transport,
-            ODCConfig(barrier_timeout_s=odc_config.odc_barrier_timeout_s, lockstep=odc_config.odc_lockstep),
+            ODCConfig(
+                barrier_timeout_s=odc_config.odc_barrier_timeout_s,
+                lockstep=odc_config.odc_lockstep,
+                trains=not self.engine_config.forward_only,  # the reference model: no gradient accumulator
+            ),
         )
         self.odc_time_fit = (
             OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
@@ -107,13 +111,12 @@ class _ODCEngineMixin:
         tu.pop(data, key=STEPS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan: one step, all
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
-        # The one collective of a mini-batch, before it starts: the loss divides by the token count of
-        # the whole mini-batch, so the update does not depend on how samples are spread over ranks.
-        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
-        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
-        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
+        batch_num_tokens = self._batch_num_tokens(data)
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens, dp_size=self.get_data_parallel_size())
 
-        micro_batches, indices = self._micro_batches(data)
+        # a rank whose packing raises (a bad batch) fails the mini-batch its peers begin (OnDemandComm.abort)
+        with self.odc.guard():
+            micro_batches, indices = self._micro_batches(data)
         scaler = getattr(self, "scaler", None)
         outputs = []
         clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
@@ -154,6 +157,25 @@ class _ODCEngineMixin:
         if self.expert_routing is not None and not forward_only:
             output["metrics"].update(self._routing_metrics())
         return output
+
+    def _batch_num_tokens(self, data):
+        """The one collective of a mini-batch, before it starts: the loss divides by the token count of the
+        whole mini-batch, so the update does not depend on how samples are spread over ranks. A rank whose
+        own count raises still takes part, counting a failure, so that no peer waits in the collective:
+        every rank then fails the mini-batch (OnDemandComm.abort), its peers naming that rank."""
+        failure = None
+        try:
+            mine = data["loss_mask"].sum()
+            both = torch.stack([mine.to(torch.float64), torch.zeros((), dtype=torch.float64, device=mine.device)])
+        except Exception as e:  # noqa: BLE001  (announced to every rank below)
+            failure, both = e, torch.tensor([0.0, 1.0], dtype=torch.float64)
+        both = both.to(get_device_id())
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        if failure is not None:
+            raise self.odc.abort(failure)
+        if both[1]:
+            raise self.odc.abort(ODCPeerFailedError(f"rank {dist.get_rank()}: a peer failed preparing its mini-batch"))
+        return float(both[0]) if mine.is_floating_point() else int(both[0])  # float64: exact up to 2**53
 
     def _micro_batches(self, data):
         """This rank's micro-batches, packed without agreeing on their number with the other ranks.
@@ -248,13 +270,17 @@ class _ODCEngineMixin:
         return {key: [value] for key, value in values.items()}
 
     def _odc_metrics(self, stats, num_micro_batches: int) -> dict[str, float]:
-        """Compute and barrier-wait time over ranks (a collective, after the mini-batch has ended)."""
+        """Compute and barrier-wait time over ranks, and the memory ODC adds to FSDP2's (a collective, after
+        the mini-batch has ended)."""
+        extra = self.odc.memory_bytes().extra_bytes_per_param
         mine = torch.tensor(
-            [stats.compute_s, stats.wait_s, float(num_micro_batches)], dtype=torch.float64, device=get_device_id()
+            [stats.compute_s, stats.wait_s, float(num_micro_batches), extra],
+            dtype=torch.float64,
+            device=get_device_id(),
         )
         every = [torch.empty_like(mine) for _ in range(self.get_data_parallel_size())]
         dist.all_gather(every, mine, group=self.get_data_parallel_group())
-        compute, wait, micro = torch.stack(every).cpu().unbind(1)
+        compute, wait, micro, extra = torch.stack(every).cpu().unbind(1)
         values = {
             "odc/compute_s_mean": compute.mean(),
             "odc/compute_s_max": compute.max(),
@@ -264,6 +290,9 @@ class _ODCEngineMixin:
             "odc/compute_imbalance": compute.max() / compute.mean().clamp_min(1e-9),
             "odc/micro_batches_min": micro.min(),
             "odc/micro_batches_max": micro.max(),
+            # bytes per parameter of this rank's shards that ODC holds beyond FSDP2 (published shards,
+            # accumulator padding and flags), the largest over ranks: 2 for a model under bf16 mixed precision
+            "odc/extra_bytes_per_param": extra.max(),
         }
         # lists, like the loss function's own per-micro-batch metrics, which verl's worker flattens
         return {key: [value.item()] for key, value in values.items()}

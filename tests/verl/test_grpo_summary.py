@@ -32,6 +32,22 @@ Error in call to target 'odc_plugin.verl.config.ODCEngineConfig':
 ValueError("odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'")
 """
 
+# The end of an odc-grpo-cpu run in which training rank 1's micro-batch packing raised (injected): rank 0
+# failed at once naming it; Ray surfaced rank 1's own exception, under which ODC's note says which rank.
+RANK_FAILED_ITS_MINIBATCH = """\
+(TaskRunnerV1 pid=18909) odc_plugin.comm.base.ODCPeerFailedError: rank 0: rank 1 failed in its mini-batch: \
+RuntimeError: injected bad batch on training rank 1
+ray.exceptions.RayTaskError(RuntimeError): ray::WorkerDict.actor_rollout_compute_log_prob() (pid=19063, ip=192.0.2.2)
+  File "/work/main/odc_plugin/verl/engine.py", line 119, in forward_backward_batch
+    micro_batches, indices = self._micro_batches(data)
+RuntimeError: injected bad batch on training rank 1
+ODC: rank 1 failed mini-batch 1, which failed on every rank
+ODC: rank 1 failed mini-batch 1, which failed on every rank
+
+Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
+(WorkerDict pid=19062) WARNING:2026-11-25 00:45:24,638:target_num_threads 8 should not exceed physical CPU cores 2.
+"""
+
 
 @pytest.mark.parametrize(
     "log,expected",
@@ -39,6 +55,11 @@ ValueError("odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'
         (ENGINE_START, "ValueError: fsdp_size=3 must divide the world size 4 and be at least 2 with strategy odc"),
         (CHAINED, "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."),
         (HYDRA, "ValueError(\"odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'\")"),
+        (
+            RANK_FAILED_ITS_MINIBATCH,
+            "RuntimeError: injected bad batch on training rank 1 (ODC: rank 1 failed mini-batch 1, which failed on "
+            "every rank)",
+        ),
         ("step 1 done\nkilled\n", "killed"),
     ],
 )

@@ -374,13 +374,15 @@ _RAY_PREFIX = re.compile(r"^\([^()]*pid=\d+[^()]*\)\s*")
 
 def last_error(log_file: str) -> str:
     """The exception that ended a failed run, as its own line states it: the last line of the run's
-    output that starts with an exception's name (warnings printed after it are passed over); else the
-    last line naming an error; else the last line."""
+    output that starts with an exception's name (warnings printed after it are passed over), with the
+    note ODC puts under a rank's own exception that failed a mini-batch on every rank (which rank); else
+    the last line naming an error; else the last line."""
     with open(log_file, encoding="utf-8", errors="replace") as fp:
         lines = [_RAY_PREFIX.sub("", line.strip()) for line in fp if line.strip()]
-    for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line):
-            return line
+    for i in reversed(range(len(lines))):
+        if _EXCEPTION_LINE.match(lines[i]):
+            note = lines[i + 1] if i + 1 < len(lines) and lines[i + 1].startswith("ODC: ") else ""
+            return f"{lines[i]} ({note})" if note else lines[i]
     errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line) and "Warning" not in line]
     return (errors or lines or ["(no output)"])[-1]
 
