@@ -18,10 +18,11 @@ class StateBytes:
 
 
 def _storage_bytes(tensors) -> int:
+    # A tensor's own bytes, once per address: ODC's gradients are views of one accumulator region, whose
+    # alignment padding is ODC's overhead (OnDemandComm.memory_bytes), not this rank's training state.
     seen: dict[int, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
