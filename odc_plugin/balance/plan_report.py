@@ -124,18 +124,13 @@ def print_cluster(
     print(format_cluster_table(rows))
     print(
         "AR: ODC-HSDP's all-reduce across nodes per mini-batch; flat comm/mb: flat ODC's communication per "
-        "micro-batch (NVSHMEM's host-driven progress not modelled: its best case)"
+        "micro-batch (NVSHMEM's host-driven progress not modelled: its best case); flat ODC across nodes is "
+        "refused by this version, so it is shown, never picked"
     )
     picks = {r.pick for r in rows}
     if len(picks) == 1:
         pick = picks.pop()
-        how = {
-            "fsdp_hsdp": "strategy=fsdp2 with fsdp_size",
-            "odc_hsdp": "strategy=odc with fsdp_size",
-            "odc_flat": "strategy=odc with fsdp_size=-1 over",
-        }[pick]
+        how = {"fsdp_hsdp": "strategy=fsdp2", "odc_hsdp": "strategy=odc"}[pick]
         print(
-            f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} = {cluster.gpus_per_node} GPUs per node)"
-            if pick != "odc_flat"
-            else f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} NVSHMEM)"
+            f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} with fsdp_size = {cluster.gpus_per_node} GPUs per node)"
         )

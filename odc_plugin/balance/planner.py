@@ -15,10 +15,10 @@ FSDP holds in lockstep and LB-Mini balances is a group of N GPUs: ranks / N grou
 samples N times as fast (heads split over the group; the all-to-all is not modelled), each packing
 micro-batches to N times the per-GPU token budget, as verl does.
 
-Across nodes (`--nodes`), it compares the three ways to run data parallelism over several nodes and
-picks the fastest: FSDP2's HSDP with LB-Micro (verl's `fsdp2` with `fsdp_size` = GPUs per node), ODC
-inside each node with one all-reduce across nodes per mini-batch (`odc` with the same `fsdp_size`), and
-flat ODC over all ranks through NVSHMEM (`odc`, `fsdp_size=-1`):
+Across nodes (`--nodes`), it compares FSDP2's HSDP with LB-Micro (verl's `fsdp2` with `fsdp_size` = GPUs
+per node) and ODC inside each node with one all-reduce across nodes per mini-batch (`odc` with the same
+`fsdp_size`), and picks the faster; it also shows flat ODC over all ranks through NVSHMEM, which this
+version refuses (its best case, for when it is enabled), never picking it:
 
     odc-plan --nodes 2 4 8 --lengths rl --model Qwen2.5-7B
 """
@@ -70,7 +70,7 @@ def length_source(
 def _parser() -> argparse.ArgumentParser:
     """odc-plan's arguments; long because it is one add_argument per option."""
     p = argparse.ArgumentParser(
-        prog="odc-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False, prog="odc-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--lengths", default="rl", help="rl, sft, or FILE.json / FILE.txt / FILE.parquet:COLUMN")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64], help="GPUs")
