@@ -25,7 +25,8 @@ class ODCEngineConfig(FSDPEngineConfig):
 
     odc_transport: TransportName = "auto"
     """How a rank reaches its peers' memory: `shm` (CPU ranks of one machine), `cuda_ipc` (GPUs of one
-    node), `nvshmem` (GPUs across nodes); `auto` picks by device and by where the ranks are."""
+    node), `nvshmem` (GPUs of one node; across nodes ODC runs as HSDP, `fsdp_size` = GPUs per node);
+    `auto` picks by device and by where the ranks are."""
 
     odc_balancer: Balancer = "lb_mini"
     """How the trainer spreads each mini-batch over ranks: `lb_mini` balances each rank's total cost (counts
