@@ -9,7 +9,9 @@ responses. A few minutes in all (each run ~1-2 minutes on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,7 +24,7 @@ from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
 from tests.verl import golden
-from tests.verl.trainer_runs import RANKS, RUN_TIMEOUT_S, Trained, close, leftover_ray_processes, train
+from tests.verl.trainer_runs import RANKS, RUN_TIMEOUT_S, Trained, close, train
 
 ODC_OPTIONS = ["hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc"]
 KL_LOSS = golden.KL_LOSS
@@ -73,7 +75,7 @@ def grpo_cli(out, assets):
 
 
 def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli):
-    proc, runs, _ = grpo_cli
+    proc, runs, logs = grpo_cli
     assert proc.returncode == 0, proc.stderr[-3000:]
     for strategy in grpo.STRATEGIES:
         assert sorted(runs[strategy]) == [1, 2, 3], strategy
@@ -86,7 +88,9 @@ def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli):
     assert "speedup odc over fsdp2: update phase" in proc.stdout
     assert "control: the rollout, which the strategy does not touch" in proc.stdout
     assert "LB-Mini plan efficiency" in proc.stdout
-    assert not leftover_ray_processes()
+    # each run's own Ray session (its log's first line is the command), not another test's running beside it
+    ray_dirs = [re.search(r"_temp_dir=(\S+)", log.splitlines()[0]).group(1) for log in logs.values()]
+    assert len(ray_dirs) == len(grpo.STRATEGIES) and not any(grpo.ray_processes(d) for d in ray_dirs)
 
 
 def test_odc_run_logs_odc_metrics_and_uneven_shares(grpo_cli):
@@ -392,17 +396,32 @@ def test_invalid_odc_option_fails_at_start_up_summarized_by_its_exception(out, a
     assert not grpo.ray_processes(run.result.ray_dir)
 
 
+def _session_of(log_file) -> str | None:
+    """The Ray session directory of a run that has started: its log's first line is the command."""
+    with contextlib.suppress(OSError):
+        with open(log_file, encoding="utf-8") as fp:
+            match = re.search(r"_temp_dir=(\S+)", fp.readline())
+            return match.group(1) if match else None
+    return None
+
+
 def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
-    """An odc run; one training worker is killed as soon as it is inside an actor update."""
+    """An odc run; one of its own training workers (a child of its session's raylet: other tests' trainers
+    may run beside it) is killed as soon as it is inside an actor update."""
     result: dict = {}
     overrides = [*ODC_OPTIONS, f"actor_rollout_ref.actor.fsdp_config.odc_barrier_timeout_s={barrier_timeout_s}"]
+    (out / name).mkdir(exist_ok=True)
+    log_file = out / name / "odc.log"
+    log_file.unlink(missing_ok=True)
     thread = threading.Thread(target=lambda: result.update(run=train(out, assets, name, "odc", 3, overrides)))
     thread.start()
     hit_at = None
     while thread.is_alive() and hit_at is None:
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = proc.info["cmdline"] or []
-            if cmdline and cmdline[0].startswith("ray::WorkerDict.actor_rollout_update_actor"):
+        session = _session_of(log_file)
+        raylets = {p.pid for p in grpo.ray_processes(session)} if session else set()
+        for proc in psutil.process_iter(["cmdline", "ppid"]):
+            cmdline = proc.info["cmdline"] or [""]
+            if proc.info["ppid"] in raylets and cmdline[0].startswith("ray::WorkerDict.actor_rollout_update_actor"):
                 proc.kill()
                 hit_at = time.monotonic()
                 break

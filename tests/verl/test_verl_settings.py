@@ -50,7 +50,7 @@ SETTINGS = (
     Setting(
         "verl's example batching (run_qwen2-7b_math.sh): fixed micro-batch sizes (update 2, log-probs 4), "
         "4 mini-batches per step, low_var_kl KL loss, gradient checkpointing, reference param offload; "
-        "uneven shares (rank 1 3x slow)",
+        "uneven shares (rank 1 5x slow)",
         tuple(golden.EXAMPLE_BATCHING),
         golden.EXAMPLE_SLOW_RANKS,
         uneven=True,

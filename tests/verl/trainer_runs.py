@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 
-import psutil
-
 from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo
 
@@ -58,10 +56,6 @@ def train(
             f"peak memory {result.peak_pss_gib:.2f} GiB\n"
         )
     return Trained(result)
-
-
-def leftover_ray_processes() -> list:
-    return [p for p in psutil.process_iter(["cmdline"]) if any("odc-ray-" in c for c in p.info["cmdline"] or ())]
 
 
 def close(a: float, b: float, rtol: float) -> bool:
