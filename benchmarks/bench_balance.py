@@ -83,7 +83,9 @@ def planner(draws: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--draws", type=int, default=100, help="mini-batches per efficiency row")
     p.add_argument("--timing-runs", type=int, default=7)
     p.add_argument("--plan-draws", type=int, default=5, help="mini-batches per planner row")

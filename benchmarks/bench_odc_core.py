@@ -138,7 +138,7 @@ OVER_FSDP2 = ("odc_vs_fsdp2", (ROWS[0], ROWS[2]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--micro-batches", type=int, default=4)

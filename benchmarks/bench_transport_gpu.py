@@ -235,7 +235,9 @@ def report_world(world, nbytes, iters, programs, ref, results) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=1.0, help="size of the sharded buffer, GiB")
     ap.add_argument(
         "--worlds", type=int, nargs="+", help="rank counts to run (default: one rank per GPU, or 2 and 3 on one GPU)"

@@ -77,7 +77,9 @@ def device_name(device: torch.device) -> str:
 
 
 def main(argv: list[str] | None = None) -> CostCalibration:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="Qwen2.5-7B", choices=list(QWEN2_5_PRESETS))
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

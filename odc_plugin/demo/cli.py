@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     """odc-demo's arguments; long because it is one add_argument per option."""
     defaults = DemoConfig(ranks=2)
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="odc-demo",
         description="Four A/B rows of real FSDP2 and ODC training on CPU "
         "processes, and what each step between them buys.",

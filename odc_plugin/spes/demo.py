@@ -314,7 +314,7 @@ def run_demo(cfg: SPESDemoConfig) -> dict:
 
 def main(argv=None) -> None:
     defaults = SPESDemoConfig()
-    p = argparse.ArgumentParser(prog="odc-spes", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="odc-spes", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=defaults.nodes)
     p.add_argument("--steps", type=int, default=defaults.steps, help=f"a multiple of {defaults.sync_every}")
     p.add_argument("--out", default=defaults.out_dir, help="directory for odc_spes.json and odc_spes.png")

@@ -408,7 +408,9 @@ def _steps_span(runs: Sequence[Run]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="ab_report", description="Compare a fsdp2 run and an odc run of verl from their file-logger metrics."
+        allow_abbrev=False,
+        prog="ab_report",
+        description="Compare a fsdp2 run and an odc run of verl from their file-logger metrics.",
     )
     parser.add_argument(
         "runs",

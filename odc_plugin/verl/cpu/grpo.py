@@ -409,7 +409,10 @@ def _runs(text: str) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     """odc-grpo-cpu's arguments; long because it is one add_argument per option."""
     parser = argparse.ArgumentParser(
-        prog="odc-grpo-cpu", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="odc-grpo-cpu",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
     parser.add_argument("--out", default="odc_grpo_cpu", help="output directory (default ./odc_grpo_cpu)")
