@@ -25,10 +25,10 @@ accumulator, with its used flags, is all-reduced across its replica group in one
 mini-batch's only collective; the result is the mean over all data-parallel ranks, as in stock HSDP, and
 ranks of different replicas never wait for each other inside the mini-batch.
 
-A mini-batch that fails on one rank fails on every rank (`abort`, docs/failures.md): the failing rank
-announces it through the transport (and the store, under HSDP), every peer's next wait raises
-ODCPeerFailedError naming it, the ranks meet once more so that no accumulate of the failed mini-batch is
-still in flight, and each returns to idle, ready to begin() the next mini-batch.
+A mini-batch that fails on one rank fails on every rank (`abort`; docs/design.md, "A failed
+mini-batch"): the failing rank announces it through the transport (and the store, under HSDP), every
+peer's next wait raises ODCPeerFailedError naming it, the ranks meet once more so that no accumulate of
+the failed mini-batch is still in flight, and each returns to idle, ready to begin() the next mini-batch.
 """
 
 from __future__ import annotations

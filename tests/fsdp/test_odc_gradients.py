@@ -5,7 +5,7 @@ model (`ODCConfig(trains=False)`, the reference model) holds no gradient region,
 model's accumulator is its `.grad` (views), so under bf16 mixed precision both add only the published
 bf16 shards to FSDP2's memory, about 2 bytes per parameter. Training through those views equals one
 process's AdamW with gradient accumulation over mini-batches, both ways of zeroing, and a failed
-mini-batch in between (which drops `.grad` on every rank, docs/failures.md).
+mini-batch in between (which drops `.grad` on every rank, docs/design.md, "A failed mini-batch").
 """
 
 from __future__ import annotations

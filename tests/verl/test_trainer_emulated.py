@@ -4,7 +4,7 @@
 The three runs are verl's `main_ppo` in their own process trees; they see the same drawn response lengths
 and the same rollouts (same weights at step 1), so their first updates are the same math: fsdp2 over
 gloo, ODC's transport with FSDP's per-layer lockstep, and ODC with LB-Mini. A few minutes in all (8 ranks
-start slowly on 2 cores); the measurements at scale are in docs/results-trainer-scale.md.
+start slowly on 2 cores); the measurements at scale are in docs/results.md ("verl's trainer at 8, 16 and 32 ranks").
 """
 
 from __future__ import annotations

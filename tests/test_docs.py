@@ -1,0 +1,160 @@
+"""Every command README.md and docs/ show in a fenced block runs as written, at a small size.
+
+A block is a command block unless it is marked with a language other than a shell's (```python is a
+snippet). Its lines are commands (a trailing backslash continues one, `#` starts a comment, `&&` chains
+several); each command is either run, with SMALLER's options appended so that it finishes in seconds to a
+minute (argparse takes the last value of an option given twice, so a documented value is overridden,
+while a documented option the program no longer has still fails it), or listed in NOT_RUN with the reason.
+A command that is neither fails the test, naming itself. Commands run in a temporary directory, with
+`benchmarks/` and `configs/` reachable as in the repository, so what they write stays out of the tree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELLS = ("", "bash", "sh", "shell", "console")
+
+# A command's start -> why it is not run here.
+NOT_RUN = {
+    "pip install": "installs into the environment the tests run in; CI's first step runs exactly this",
+    "python -m pytest": "the test suite itself, of which this test is part",
+    "python -m verl.trainer.main_ppo": "a user's own config on GPUs with vLLM; on CPU the same trainer runs "
+    "through odc-grpo-cpu, below and in tests/verl",
+    "PYTHONPATH=. python": "the GPU checklist (docs/gpu.md): needs a GPU",
+    "for n in": "the GPU checklist: real compute at 4-16 ranks on a 16-core GPU machine",
+}
+# A command's start -> options that shrink it to a small size.
+SMALLER = {
+    "odc-grpo-cpu": ["--steps", "1", "--compare", "odc", "--ranks", "2"],
+    "odc-demo": ["--steps", "1", "--mini-batch-size", "2"],
+    "odc-plan": ["--draws", "2"],
+    "odc-spes": ["--nodes", "2", "--steps", "10"],
+    "python benchmarks/bench_odc_core.py": ["--steps", "1", "--model-size", "tiny"],
+    "python benchmarks/bench_balance.py": ["--draws", "2", "--timing-runs", "1", "--plan-draws", "1"],
+    "ruff": [],
+}
+# further options for some forms of a command
+EMULATED = ["--time-scale", "0.02"]
+SWEEP = ["--sweep-ranks", "2", "--workload", "rl"]
+SLOW_RANK = ["--slow-ranks", "1:1.5"]  # a rank that exists among SMALLER's ranks
+TIMEOUT_S = 600
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command) of every command in a command block of README.md and docs/, in order."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in re.finditer(r"^```([^\n`]*)\n(.*?)^```", text, re.S | re.M):
+            if match.group(1).strip() not in SHELLS:
+                continue
+            line_no = text[: match.start()].count("\n") + 2
+            joined = re.sub(r"\\\n\s*", " ", match.group(2))
+            for line in joined.splitlines():
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                for command in line.split("&&"):
+                    found.append((f"{doc.relative_to(ROOT)}:{line_no}", " ".join(command.split())))
+    return found
+
+
+def _start(command: str, table: dict) -> str | None:
+    return next((start for start in table if command == start or command.startswith(start + " ")), None)
+
+
+def to_run(command: str) -> list[str] | None:
+    """The argv the test runs for a documented command, None if it is not run (NOT_RUN)."""
+    if _start(command, NOT_RUN):
+        return None
+    start = _start(command, SMALLER)
+    if start is None:
+        raise AssertionError(
+            f"{command!r} is shown in the docs but neither run by tests/test_docs.py (SMALLER) nor listed in its "
+            f"NOT_RUN with a reason"
+        )
+    argv = shlex.split(command) + SMALLER[start]
+    if "--emulate" in argv:
+        argv += EMULATED
+    if "--sweep-ranks" in argv:
+        argv += SWEEP
+    if "--slow-ranks" in argv:
+        argv += SLOW_RANK
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    return argv
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_show_commands_and_every_one_is_run_or_said_why_not():
+    assert len(COMMANDS) >= 10
+    for _, command in COMMANDS:
+        to_run(command)  # raises for a command nobody decided about
+    assert not [c for _, c in COMMANDS if "<" in c and to_run(c) is not None], "placeholders must not be run"
+
+
+def test_every_file_of_the_repository_a_command_names_exists():
+    """Also in the commands not run here (the GPU checklist): a renamed test or benchmark fails this."""
+    named = {
+        (where, word.split("::")[0])
+        for where, command in COMMANDS
+        for word in shlex.split(command)
+        if re.match(r"(tests|benchmarks|configs|examples)/", word)
+    }
+    assert named and not [(w, p) for w, p in named if not (ROOT / p).exists()]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("docs_commands")
+    for name in ("benchmarks", "configs"):
+        (path / name).symlink_to(ROOT / name)
+    return path
+
+
+def _effective(argv: list[str]) -> tuple:
+    """What a command line does: its options with the last value given (as argparse takes them)."""
+    options: dict[str, tuple] = {}
+    positional, name = [], None
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg
+            options[name] = ()
+        elif name is None:
+            positional.append(arg)
+        else:
+            options[name] += (arg,)
+    return (*positional, *sorted(options.items()))
+
+
+def _runnable() -> list:
+    """Each documented command once per distinct effect (the four scales of a table shrink to one run)."""
+    seen, params = set(), []
+    for where, command in COMMANDS:
+        argv = to_run(command)
+        if argv is None or _effective(argv) in seen:
+            continue
+        seen.add(_effective(argv))
+        params.append(pytest.param(argv, id=f"{where} {command}"[:120]))
+    return params
+
+
+@pytest.mark.parametrize("argv", _runnable())
+def test_documented_command_runs(argv, workdir):
+    cwd = ROOT if argv[0] == "ruff" else workdir  # ruff checks the tree it is run in
+    proc = subprocess.run(
+        argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    assert proc.returncode == 0, f"{shlex.join(argv)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
