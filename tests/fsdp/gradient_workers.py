@@ -11,7 +11,7 @@ from odc_plugin.fsdp import ODCConfig, apply_odc
 from odc_plugin.models import build_qwen2, shard_qwen2, token_mean_loss
 
 from . import failure_workers
-from .workers import count_targets, full_grads, full_params, sharded_model
+from .workers import count_targets, full_grads, full_params, minibatch_backward, sharded_model
 
 BF16_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -102,13 +102,7 @@ def bf16_params_grads(rank, world_size, seqs, plan, use_odc):
     mesh, mp = init_device_mesh("cpu", (world_size,)), MixedPrecisionPolicy(reduce_dtype=torch.float32)
     model = shard_qwen2(build_qwen2("tiny", seed=0).to(torch.bfloat16), mesh, mp)
     odc = apply_odc(model, make_transport("shm")) if use_odc else None
-    global_tokens = count_targets(seqs)
-    if odc:
-        odc.begin()
-    for mb in plan[rank]:
-        token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
-    if odc:
-        odc.end()
+    minibatch_backward(model, odc, rank, world_size, seqs, plan, count_targets(seqs))
     dtypes = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
     return full_grads(model), dtypes
 

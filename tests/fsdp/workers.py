@@ -105,17 +105,22 @@ def train_moe_steps(rank, world_size, seqs, plan, steps):
     return params, counts
 
 
+def minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens) -> None:
+    """This rank's micro-batches of one mini-batch, forward and backward; inside ODC's begin/end with odc."""
+    if odc:
+        odc.begin()
+    for mb in plan[rank]:
+        token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
+    if odc:
+        odc.end()
+
+
 def adamw_steps(model, odc, rank, world_size, seqs, plan, steps, after_step=lambda: None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     global_tokens = count_targets(seqs)
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        if odc:
-            odc.begin()
-        for mb in plan[rank]:
-            token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
-        if odc:
-            odc.end()
+        minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
         opt.step()
         after_step()
