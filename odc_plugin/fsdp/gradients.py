@@ -67,9 +67,9 @@ class GradientStorage:
         self.slots: list[_Slot] = []
         for slot, start in slots:
             param, local = slot.param, slot.param.to_local()
-            view = self.acc[start : start + local.numel()].view(local.shape) if local.dtype == torch.float32 else None
+            mine = self.acc[start : start + local.numel()].view(local.shape) if local.dtype == torch.float32 else None
             zero = _as_grad_of(param, zeros[local.dtype][: local.numel()].view(local.shape))
-            self.slots.append(_Slot(param, start, slot.padded_numel, view, zero))
+            self.slots.append(_Slot(param, start, slot.padded_numel, mine, zero))
         self._had = [False] * len(self.slots)  # whose `.grad` was set when the mini-batch began
         self._copies: list[DTensor | None] = [None] * len(self.slots)  # `.grad` to be of the copied ones
 

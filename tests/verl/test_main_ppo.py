@@ -9,9 +9,7 @@ responses. A few minutes in all (each run ~1-2 minutes on 2 cores).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -24,7 +22,7 @@ from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
 from tests.verl import golden
-from tests.verl.trainer_runs import RANKS, RUN_TIMEOUT_S, Trained, close, train
+from tests.verl.trainer_runs import RANKS, RUN_TIMEOUT_S, Trained, close, ray_session, train
 
 ODC_OPTIONS = ["hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc"]
 KL_LOSS = golden.KL_LOSS
@@ -74,8 +72,8 @@ def grpo_cli(out, assets):
     return proc, runs, logs
 
 
-def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli):
-    proc, runs, logs = grpo_cli
+def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli, out):
+    proc, runs, _ = grpo_cli
     assert proc.returncode == 0, proc.stderr[-3000:]
     for strategy in grpo.STRATEGIES:
         assert sorted(runs[strategy]) == [1, 2, 3], strategy
@@ -88,9 +86,9 @@ def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli):
     assert "speedup odc over fsdp2: update phase" in proc.stdout
     assert "control: the rollout, which the strategy does not touch" in proc.stdout
     assert "LB-Mini plan efficiency" in proc.stdout
-    # each run's own Ray session (its log's first line is the command), not another test's running beside it
-    ray_dirs = [re.search(r"_temp_dir=(\S+)", log.splitlines()[0]).group(1) for log in logs.values()]
-    assert len(ray_dirs) == len(grpo.STRATEGIES) and not any(grpo.ray_processes(d) for d in ray_dirs)
+    # each run's own Ray session, not another test's running beside it
+    ray_dirs = [ray_session(out / "grpo" / f"{s}.log") for s in grpo.STRATEGIES]
+    assert all(ray_dirs) and not any(grpo.ray_processes(d) for d in ray_dirs)
 
 
 def test_odc_run_logs_odc_metrics_and_uneven_shares(grpo_cli):
@@ -396,15 +394,6 @@ def test_invalid_odc_option_fails_at_start_up_summarized_by_its_exception(out, a
     assert not grpo.ray_processes(run.result.ray_dir)
 
 
-def _session_of(log_file) -> str | None:
-    """The Ray session directory of a run that has started: its log's first line is the command."""
-    with contextlib.suppress(OSError):
-        with open(log_file, encoding="utf-8") as fp:
-            match = re.search(r"_temp_dir=(\S+)", fp.readline())
-            return match.group(1) if match else None
-    return None
-
-
 def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
     """An odc run; one of its own training workers (a child of its session's raylet: other tests' trainers
     may run beside it) is killed as soon as it is inside an actor update."""
@@ -417,7 +406,7 @@ def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
     thread.start()
     hit_at = None
     while thread.is_alive() and hit_at is None:
-        session = _session_of(log_file)
+        session = ray_session(log_file)
         raylets = {p.pid for p in grpo.ray_processes(session)} if session else set()
         for proc in psutil.process_iter(["cmdline", "ppid"]):
             cmdline = proc.info["cmdline"] or [""]

@@ -3,7 +3,9 @@ behind `odc-grpo-cpu`: each run in its own process tree, its metrics what verl's
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 
 from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo
@@ -56,6 +58,16 @@ def train(
             f"peak memory {result.peak_pss_gib:.2f} GiB\n"
         )
     return Trained(result)
+
+
+def ray_session(log_file) -> str | None:
+    """The Ray session directory of a run that has started (its log's first line is the command, which
+    names it), None before that: the one session whose processes are this run's."""
+    with contextlib.suppress(OSError):
+        with open(log_file, encoding="utf-8") as fp:
+            match = re.search(r"_temp_dir=(\S+)", fp.readline())
+            return match.group(1) if match else None
+    return None
 
 
 def close(a: float, b: float, rtol: float) -> bool:
