@@ -26,11 +26,17 @@ from dataclasses import dataclass
 import torch
 
 
-class ODCTimeoutError(RuntimeError):
+class ODCError(RuntimeError):
+    """Base of every error ODC raises for the state of its group of ranks (a timeout, a failed peer, a group
+    left unusable by either); catching it catches them all. Misuse of the API raises ValueError or
+    RuntimeError instead, and changes nothing."""
+
+
+class ODCTimeoutError(ODCError):
     """A rank waited longer than the barrier timeout; names the ranks that never arrived."""
 
 
-class ODCPeerFailedError(RuntimeError):
+class ODCPeerFailedError(ODCError):
     """A peer announced that its mini-batch failed (`Transport.announce_failure`); names it and what it raised."""
 
 

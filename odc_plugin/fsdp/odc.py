@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..comm import ODCPeerFailedError, ODCTimeoutError, Transport
+from ..comm import ODCError, ODCPeerFailedError, ODCTimeoutError, Transport
 from ..comm.base import FailureNotice, first_failure
 from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
@@ -140,7 +140,8 @@ class OnDemandComm:
         self.in_minibatch = False
         self.last_stats = MiniBatchStats()
         self._backward = False
-        self._broken: str | None = None  # why no further mini-batch can run (a peer gone, a lost meeting)
+        self._broken: ODCError | None = None  # why no further mini-batch can run (a peer gone, a lost meeting)
+        self._closed = False
         self._ready_peers: set[int] = set()
         self._begin_time = 0.0
 
@@ -241,17 +242,19 @@ class OnDemandComm:
         )
 
     def begin(self, backward: bool = True) -> None:
-        """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes. If it
-        raises, the mini-batch has failed on every rank (see `abort`)."""
+        """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes. Misuse
+        (a mini-batch already open, a backward one on a forward-only model, a closed model) raises and changes
+        nothing; any other exception means the mini-batch has failed on every rank (see `abort`)."""
+        # Misuse is refused before anything changes: a mini-batch in flight goes on.
         self._check_usable()
+        if self.in_minibatch:
+            raise RuntimeError("ODC begin() called twice without end(); the mini-batch in flight goes on")
+        if backward and not self.config.trains:
+            raise ValueError(
+                "this model was set up forward-only (ODCConfig(trains=False)): it has no gradient "
+                "accumulator; begin(backward=False)"
+            )
         with self.guard():
-            if self.in_minibatch:
-                raise RuntimeError("ODC begin() called twice without end()")
-            if backward and not self.config.trains:
-                raise ValueError(
-                    "this model was set up forward-only (ODCConfig(trains=False)): it has no gradient "
-                    "accumulator; begin(backward=False)"
-                )
             self.in_minibatch, self._backward = True, backward
             self._begin_time = time.perf_counter()
             self.epoch += 1
@@ -340,15 +343,16 @@ class OnDemandComm:
             scatter.discard()
         fsdp_internals.reset_after_failure(self._modules_and_groups)
         if isinstance(error, ODCTimeoutError):
-            self._broken = f"mini-batch {self.epoch} timed out ({error})"
+            self._broken = ODCTimeoutError(f"mini-batch {self.epoch} timed out ({error})")
             return error
         try:
             notices = self._recover()
         except BaseException as failure:
-            self._broken = f"the ranks did not all meet after mini-batch {self.epoch} failed ({failure})"
+            why = f"the ranks did not all meet after mini-batch {self.epoch} failed ({failure})"
+            self._broken = (type(failure) if isinstance(failure, ODCError) else ODCError)(why)
             if not isinstance(failure, Exception):
                 raise
-            _add_note(error, f"ODC: {self._broken}; ODC cannot run another mini-batch")
+            _add_note(error, f"ODC: {why}; ODC cannot run another mini-batch")
             return error
         if self._gradients is not None:
             self._gradients.drop()
@@ -390,8 +394,11 @@ class OnDemandComm:
         return notices
 
     def _check_usable(self) -> None:
+        """Refuse a call once the group is unusable, with the type of what made it so (an ODCError)."""
+        if self._closed:
+            raise RuntimeError("ODC was closed (close()); apply_odc() the model again to train it with ODC")
         if self._broken is not None:
-            raise RuntimeError(f"ODC cannot run another mini-batch: {self._broken}")
+            raise type(self._broken)(f"ODC cannot run another mini-batch: {self._broken}")
 
     def wait_published(self, peer: int) -> None:
         """Block until `peer` has published this mini-batch's shards (once per peer per mini-batch)."""
@@ -406,6 +413,8 @@ class OnDemandComm:
         return [(self.rank + i) % self.world_size for i in range(1, self.world_size)]
 
     def close(self) -> None:
+        """Release the transport; later calls are refused. Safe to call twice."""
+        self._closed = True
         self.transport.close()
 
 

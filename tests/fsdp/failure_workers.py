@@ -146,3 +146,61 @@ def hsdp_retry_after_failure(rank, world_size, failed, retried, culprit, where):
     outcome, elapsed = failing_minibatch(model, odc, rank, world_size, *failed, culprit, where)
     good_minibatch(model, odc, _adamw(model), rank, world_size, *retried)
     return {"outcome": outcome, "elapsed": elapsed, "params": hsdp_full_params(model)}
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "not refused"
+
+
+def misuse_in_flight(rank, world_size, seqs, plan):
+    """end() without begin(), then a mini-batch over plan[rank] in which rank 1, after its first micro-batch,
+    calls begin() twice and begin() of a forward-only model: each refused, the mini-batch goes on. Also
+    calls after close(). Returns the refusals and the gradients."""
+    from odc_plugin.fsdp import ODCConfig
+
+    model = sharded_model(rank, world_size)
+    odc = apply_odc(model, make_transport("shm"))
+    forward_only = apply_odc(sharded_model(rank, world_size), make_transport("shm"), ODCConfig(trains=False))
+    refused = {"end_without_begin": _refusal(odc.end)}
+    global_tokens = count_targets(seqs)
+    odc.begin()
+    for i, mb in enumerate(plan[rank]):
+        token_mean_loss(model, [seqs[j] for j in mb], global_tokens, world_size).backward()
+        if i == 0 and rank == 1:
+            refused["begin_twice"] = _refusal(odc.begin)
+            refused["backward_on_forward_only"] = _refusal(forward_only.begin)
+    odc.end()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    forward_only.close()
+    refused["begin_after_close"] = _refusal(lambda: forward_only.begin(backward=False))
+    odc.close()
+    return refused, grads
+
+
+def next_call_after_timeout(rank, world_size, seqs, plan):
+    """Rank 2 never begins the first mini-batch; the others time out waiting for its shards, then begin()
+    again. Returns, on ranks 0 and 1, the names of the classes of both errors and the second's message."""
+    from odc_plugin.comm import ODCTimeoutError
+    from odc_plugin.fsdp import ODCConfig
+
+    model = sharded_model(rank, world_size)
+    odc = apply_odc(model, make_transport("shm"), ODCConfig(barrier_timeout_s=1.0))
+    if rank == 2:
+        time.sleep(3.0)  # past the others' timeout, then leaves without a word
+        return None
+    global_tokens = count_targets(seqs)
+    try:
+        with odc.minibatch():
+            for mb in plan[rank]:
+                token_mean_loss(model, [seqs[j] for j in mb], global_tokens, world_size).backward()
+    except ODCTimeoutError as first:
+        timed_out = first
+    try:
+        odc.begin()
+    except Exception as second:  # noqa: BLE001  (its type is what the test checks)
+        return [c.__name__ for c in type(timed_out).__mro__], [c.__name__ for c in type(second).__mro__], str(second)
+    return "begin() was not refused"

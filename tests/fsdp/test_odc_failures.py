@@ -15,7 +15,7 @@ from odc_plugin.launch import run_ranks
 from odc_plugin.models import build_qwen2, token_mean_loss
 
 from ..weights import assert_weights_agree
-from . import failure_workers, workers
+from . import failure_workers, test_odc_core, workers
 from .test_odc_core import random_plan, reference_train_steps
 
 WORLD, CULPRIT = 3, 1
@@ -110,3 +110,36 @@ def test_hsdp_one_rank_of_one_node_fails_all_four_at_once_and_the_retry_equals_o
     for rank, r in enumerate(results):
         print(f"rank {rank}: {assert_weights_agree(r['params'], expected, 1e-5, f'rank {rank}')}")
     print(f"HSDP: every rank of both nodes failed within {max(r['elapsed'] for r in results):.2f} s naming rank 3")
+
+
+def test_a_call_rejected_for_misuse_changes_nothing_and_the_minibatch_in_flight_completes():
+    """3 shm ranks: end() without begin(), then, mid-mini-batch on rank 1, begin() twice and a backward
+    mini-batch of a forward-only model, each refused; the mini-batch in flight completes on every rank with
+    one process's gradients. A model closed refuses begin()."""
+    seqs = workers.make_sequences(9, seed=31)
+    plan = random_plan(len(seqs), [2, 3, 1], seed=31)
+    results = run_ranks(failure_workers.misuse_in_flight, WORLD, seqs, plan)
+    expected = test_odc_core.reference_grads(seqs)
+    for rank, (refused, grads) in enumerate(results):
+        assert refused["end_without_begin"] == "RuntimeError: ODC end() called without begin()", refused
+        assert refused["begin_after_close"].startswith("RuntimeError: ODC was closed"), refused
+        if rank == 1:
+            assert refused["begin_twice"].startswith("RuntimeError: ODC begin() called twice"), refused
+            assert refused["backward_on_forward_only"].startswith("ValueError: this model was set up forward-only")
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+        assert grads.keys() == expected.keys()
+
+
+def test_after_a_timeout_the_next_call_raises_the_timeouts_type():
+    """Rank 2 never begins: ranks 0 and 1 time out waiting for its shards, and their next begin() raises an
+    ODCTimeoutError (so an ODCError) carrying the original message, where it raised a bare RuntimeError."""
+    seqs = workers.make_sequences(6, seed=32)
+    plan = random_plan(len(seqs), [2, 2, 0], seed=32)
+    results = run_ranks(failure_workers.next_call_after_timeout, WORLD, seqs, plan)
+    for rank in (0, 1):
+        first, second, message = results[rank]
+        assert first[:3] == ["ODCTimeoutError", "ODCError", "RuntimeError"], first
+        assert second[:3] == ["ODCTimeoutError", "ODCError", "RuntimeError"], second
+        assert message.startswith("ODC cannot run another mini-batch: mini-batch 1 timed out"), message
+        assert f"rank {rank}: waited 1s for mini-batch 1 shards; rank 2 did not get there" in message, message
