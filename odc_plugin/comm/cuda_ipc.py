@@ -23,8 +23,8 @@ Ordering, and why it holds without luck:
 
 Needs: Triton (the `gpu` extra), every rank on one node, peer access between the GPUs, with native P2P
 atomics (NVLink) when ranks are on different GPUs, and no expandable_segments in torch's allocator
-(checked when the transport starts, cuda_ipc_setup.py; a peer's GPU need not be visible to a rank's
-process). Verified only on a GPU machine (tests/comm/test_gpu_cuda_ipc.py, ranks sharing one GPU;
+(checked when the transport starts: cuda_ipc_setup.py, and peer_atomics.py, which runs the real kernel
+and checks the sums; a peer's GPU need not be visible to a rank's process). Verified only on a GPU machine (tests/comm/test_gpu_cuda_ipc.py, ranks sharing one GPU;
 never across separate GPUs); nothing here runs on CPU.
 """
 
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from . import peer_atomics
 from .base import Region, Transport
 from .cuda_ipc_setup import ProcessGpus, first_line, open_error, setup_error
 
@@ -65,6 +66,10 @@ class CudaIpcTransport(Transport):
         self._arrivals = self.alloc(_BARRIER, self.world_size, torch.int64)
         self._arrivals_host = torch.zeros(self.world_size, dtype=torch.int64, pin_memory=True)
         self._alloc_failure_notices()
+        # Adds into another GPU's memory are exact only with native peer atomics: checked, not trusted.
+        mine = self._gpus[self.rank].visible
+        devices = [mine.index(g.gpu) if g.gpu in mine else None for g in self._gpus]
+        self.probe_s = peer_atomics.check(self, [g.gpu for g in self._gpus], devices, group)
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         if name in self._peers:

@@ -26,3 +26,12 @@ def test_barrier_timeout_names_the_missing_rank():
     results = run_ranks(transport_workers.late_rank, 3, "cuda_ipc", 2, timeout_s=300)
     for rank in (0, 1):
         assert results[rank] == f"rank {rank}: ODC barrier #1 timed out after 1s; rank(s) [2] did not arrive"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_start_up_probe_of_peer_atomics_passes_and_its_time(world):
+    """The transport's start-up check (every rank adds a pattern into every rank's memory with the real
+    kernel; exact sums) passes on this machine's GPUs; its time at start is printed (run with -s)."""
+    seconds = run_ranks(transport_workers.cuda_ipc_probe, world, timeout_s=300)
+    print(f"peer-atomics probe, {world} ranks on {torch.cuda.device_count()} GPU(s): {max(seconds) * 1e3:.1f} ms")
+    assert all(0 < s < 30 for s in seconds), seconds

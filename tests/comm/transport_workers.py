@@ -146,3 +146,35 @@ def heap_too_small(rank, world_size):
     finally:
         t.close()
     return "no error"
+
+
+def peer_atomics_check(rank, world_size, lossy_pair):
+    """The start-up check of peer atomics over shm, every add exact, or, with `lossy_pair` = (sender,
+    owner), over a shm transport whose adds from `sender` into `owner` lose the first element's update (a
+    GPU pair without native peer atomics). Returns what `check` raised on this rank, or the mismatches."""
+    from odc_plugin.comm import peer_atomics
+    from odc_plugin.comm.shm import ShmTransport
+
+    class LosesUpdates(ShmTransport):
+        def accumulate(self, region, peer, offset, src):
+            if (self.rank, peer) == lossy_pair and region.name == "odc.probe":
+                src = src.clone()
+                src[0] = 0.0
+            super().accumulate(region, peer, offset, src)
+
+    transport = LosesUpdates()
+    gpus = [f"GPU-{r}" for r in range(world_size)]
+    try:
+        peer_atomics.check(transport, gpus, [None] * world_size)
+    except RuntimeError as e:
+        return str(e)
+    return "passed"
+
+
+def cuda_ipc_probe(rank, world_size):
+    """make_transport("cuda_ipc") on this rank's GPU: its start-up check of peer atomics passed; its time."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    transport = make_transport("cuda_ipc")
+    seconds = transport.probe_s
+    transport.close()
+    return seconds
