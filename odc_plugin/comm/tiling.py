@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TILE = 4096  # elements one program handles per loop round (256 threads x 16 contiguous elements)
-PROGRAMS = 32  # default bound of the grid (an H100 has 132 SMs)
+# Default bound of the grid (an H100 has 132 SMs). 64 by docs/gpu.md's rule, from the H100 run of
+# 2026-11-25: of 16, 32 and 64 only 64 came near the unbounded old kernel's accumulate rate (2 ranks fp32
+# 0.90x, bf16 0.81x; 3 ranks 1.48x and 1.37x), and a bf16 matmul beside it kept 0.81 of its TFLOP/s (old: 0.55).
+PROGRAMS = 64
 
 
 @dataclass(frozen=True)

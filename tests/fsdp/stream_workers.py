@@ -66,9 +66,13 @@ class WatchedTransport(Transport):
         self.inner.close()
 
 
-def watched_grads(rank, world_size, seqs, plan, device, delay_cycles):
+def watched_grads(rank, world_size, seqs, plan, device, delay_cycles, stream_bookkeeping=True):
     """One ODC mini-batch of plan[rank] over a WatchedTransport; the gradients, whether every accumulate
-    read a buffer the hook still held, and whether any hook holds one after end()."""
+    read a buffer the hook still held, and whether any hook holds one after end(). Without
+    `stream_bookkeeping` (the negative control) this process's `record_stream` does nothing, so the caching
+    allocator may hand out FSDP's reduce-scatter input while accumulates queued on its stream still read it."""
+    if not stream_bookkeeping:
+        torch.Tensor.record_stream = lambda self, stream: None
     model = sharded_model(rank, world_size, device=device)
     transport = WatchedTransport(make_transport(TRANSPORT[device]), delay_cycles)
     odc = apply_odc(model, transport, ODCConfig(barrier_timeout_s=60))

@@ -32,19 +32,45 @@ def test_the_hook_holds_the_reduce_scatter_input_until_its_accumulates_are_issue
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.skipif(
+needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
     reason="needs a CUDA GPU and Triton (the cuda_ipc transport): the hazard is between CUDA streams",
 )
+# 2 ranks on the GPU(s) over CUDA IPC, 8 one-sequence micro-batches each (short: the next layer's backward
+# starts while the last accumulates still wait), the reduce-scatter stream delayed ~1 ms before every
+# accumulate.
+LAGGING = dict(seqs=workers.make_sequences(16, seed=52, max_len=12), delay_cycles=2_000_000)
+LAGGING["plan"] = [[[i] for i in range(8)], [[i] for i in range(8, 16)]]
+
+
+def _lagging_run(stream_bookkeeping: bool) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    seqs, plan, delay = LAGGING["seqs"], LAGGING["plan"], LAGGING["delay_cycles"]
+    results = run_ranks(stream_workers.watched_grads, 2, seqs, plan, "cuda", delay, stream_bookkeeping)
+    return results, reference_grads(seqs, "cuda")
+
+
+def _worst_relative_difference(grads: dict, expected: dict) -> float:
+    return max(((grads[n] - e).abs().max() / e.abs().max().clamp_min(1e-12)).item() for n, e in expected.items())
+
+
+@needs_gpu
 def test_gradients_stay_exact_when_the_reduce_scatter_stream_lags_behind_compute():
-    """2 ranks on the GPU(s) over CUDA IPC, 8 one-sequence micro-batches each (short: the next layer's
-    backward starts while the last accumulates still wait), the reduce-scatter stream delayed ~1 ms before
-    every accumulate: the gradients equal one process's (which is stock FSDP2's math) on the same GPU."""
-    seqs = workers.make_sequences(16, seed=52, max_len=12)
-    plan = [[[i] for i in range(8)], [[i] for i in range(8, 16)]]
-    results = run_ranks(stream_workers.watched_grads, 2, seqs, plan, "cuda", 2_000_000)
-    expected = reference_grads(seqs, "cuda")
+    """The lagging reduce-scatter stream: the gradients equal one process's (which is stock FSDP2's math)
+    on the same GPU."""
+    results, expected = _lagging_run(stream_bookkeeping=True)
     for rank, r in enumerate(results):
         assert r["all_held"], rank
+        print(f"rank {rank}: worst relative difference {_worst_relative_difference(r['grads'], expected):.2e}")
         for name, grad in r["grads"].items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@needs_gpu
+def test_negative_control_without_the_stream_bookkeeping_the_lagging_stream_corrupts_gradients():
+    """The same run with `record_stream` a no-op in the ranks: the allocator hands FSDP's reduce-scatter
+    input out again while accumulates queued on the lagging stream still read it, so the gradients differ
+    from one process's. Shows that the test above can fail, and that the bookkeeping is what passes it."""
+    results, expected = _lagging_run(stream_bookkeeping=False)
+    worst = [_worst_relative_difference(r["grads"], expected) for r in results]
+    print(f"without stream bookkeeping: worst relative difference per rank {[f'{w:.2e}' for w in worst]}")
+    assert max(worst) > 1e-3, worst

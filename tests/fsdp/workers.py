@@ -208,30 +208,33 @@ def train_until_victim_dies(model, odc, rank, world_size, seqs, plan, victim):
     return "unreachable"
 
 
-def _exit_when_created(pattern: str, code: int = 17) -> None:
-    """Kill this process, from a watcher thread, the moment a file matching `pattern` exists."""
-    import glob
+def _exit_once_created(region: str, code: int = 17) -> None:
+    """Kill this process the moment it has created its own file of shm region `region`, before it maps its
+    peers' files. Hooked into this process's own set-up (not a watch of /dev/shm, which would also see the
+    files of other tests running beside this one)."""
     import os
-    import threading
-    import time
 
-    def watch():
-        while not glob.glob(pattern):
-            time.sleep(1e-4)
-        os._exit(code)
+    from odc_plugin.comm import shm
 
-    threading.Thread(target=watch, daemon=True).start()
+    init = shm._Mapping.__init__
+
+    def creating(self, path, nbytes, create):
+        init(self, path, nbytes, create)
+        if create and path.rsplit("-", 2)[-2] == region:
+            os._exit(code)
+
+    shm._Mapping.__init__ = creating
 
 
 def die_during_setup(rank, world_size, victim, stage):
-    """`victim` dies the moment its own file of the first region `stage` ("make_transport" or
-    "apply_odc") sets up appears in /dev/shm: its peers come 1 s later, so it dies between creating the
-    file and mapping its peers'. The survivors' set-up must fail and leave no file behind."""
+    """`victim` dies the moment it has created its own file of the first region `stage` ("make_transport"
+    or "apply_odc") sets up: its peers come 1 s later, so it dies between creating the file and mapping its
+    peers'. The survivors' set-up must fail and leave no file behind."""
     import time
 
     if stage == "make_transport":
         if rank == victim:
-            _exit_when_created(f"/dev/shm/odc-*-odc.barrier-r{victim}")
+            _exit_once_created("odc.doorbell")
         else:
             time.sleep(1.0)
         make_transport("shm")
@@ -239,7 +242,7 @@ def die_during_setup(rank, world_size, victim, stage):
     model = sharded_model(rank, world_size)
     transport = make_transport("shm")
     if rank == victim:
-        _exit_when_created(f"{transport.path_prefix}-odc.params-r{victim}")
+        _exit_once_created("odc.params")
     else:
         time.sleep(1.0)
     apply_odc(model, transport)
