@@ -23,32 +23,37 @@ engine strategy is `odc` with `odc_balancer=lb_mini`:
   rank gets its samples and, per step, which of them it runs; anything else goes to verl's dispatch
   unchanged.
 
-Roles on fsdp/fsdp2 (or odc with lb_micro) get no request, so every stock run is unchanged.
+`PPOTrainer.init` (214) first probes the losses of the roles on odc (`odc_plugin.verl.dispatch.check_losses`)
+and refuses one that depends on how samples are packed into micro-batches, before any worker starts.
+
+Both parts are members of the subclasses odc runs use (odc_patches.odc_subclass): the trainer of the run's
+mode and the two worker classes, whose methods are registered again with the planning dispatch; verl's
+own classes and dispatch dicts are never changed, and a run without odc uses them. Roles on fsdp/fsdp2 (or
+odc with lb_micro) in an odc run get no request, and their calls go to verl's dispatch unchanged.
+
+Why a patch: verl's dispatch functions are fixed per worker method when the class is defined
+(`@register(dispatch_mode=...)`), and the trainer's stages have no hook between building a batch and
+dispatching it; the subclasses override exactly those.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import logging
+import os
 import time
 
 from odc_patches import PatchError, require_attr, require_verl_version
 
 VERL_VERSION = "0.9.1"
 NAME = "lb_mini_dispatch"
-TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
-# The dispatch runs in the trainer's (driver) process, which imports the trainer before building worker groups.
-TARGET = TRAINER_MODULE
 
 logger = logging.getLogger(__name__)
-
-# Why the trainer part was not applied (None when it was): verl's v1 trainer cannot be imported without
-# the TransferQueue package, and then there is no v1 trainer to patch.
-TRAINER_SKIPPED: str | None = None
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # verl's own modules' convention
 
 _SIGNATURES = {
+    "init": ["self"],
     "_update_actor": ["self", "batch", "metrics"],
     "_update_critic": ["self", "batch", "metrics"],
     "_compute_old_log_prob": ["self", "batch", "metrics"],
@@ -57,20 +62,18 @@ _SIGNATURES = {
 }
 # Names the stock trainer methods use; if one disappears the method was rewritten and the patch must be too.
 _TRAINER_USES = {
+    "init": ("_setup",),
     "_update_actor": ("update_actor", "extra_info"),
     "_update_critic": ("train_mini_batch", "extra_info"),
     "_compute_old_log_prob": ("compute_log_prob", "extra_info"),
     "_compute_ref_log_prob": ("compute_ref_log_prob", "compute_log_prob", "ref_in_actor", "extra_info"),
     "_compute_values": ("infer_batch", "extra_info"),
 }
-# Worker methods whose batches are dispatched by the plan, and the mesh verl dispatches them on.
-_DISPATCHED = (
-    ("ActorRolloutRefWorker", "update_actor", "actor"),
-    ("ActorRolloutRefWorker", "compute_log_prob", "actor"),
-    ("ActorRolloutRefWorker", "compute_ref_log_prob", "ref"),
-    ("TrainingWorker", "train_mini_batch", "train"),
-    ("TrainingWorker", "infer_batch", "train"),
-)
+# Worker methods whose batches are dispatched by the plan, by kind of worker, and the mesh verl dispatches them on.
+_DISPATCHED = {
+    "actor_worker": (("update_actor", "actor"), ("compute_log_prob", "actor"), ("compute_ref_log_prob", "ref")),
+    "training_worker": (("train_mini_batch", "train"), ("infer_batch", "train")),
+}
 # The trainer methods that carry a stage's plan request into their worker call: (method, stage).
 _STAGES = (
     ("_update_actor", "actor"),
@@ -116,15 +119,10 @@ def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
     return out
 
 
-def _dispatch_dicts():
-    """The dispatch dicts verl registered the update methods with, checked to be what this patch wraps."""
+def _check_dispatch() -> None:
+    """What _lb_mini_dispatch calls of verl's, as it calls it."""
     from verl.single_controller.base import decorator
-    from verl.single_controller.base.decorator import (
-        MAGIC_ATTR,
-        dispatch_lazy_compute_data_proto,
-    )
     from verl.single_controller.base.worker import Worker
-    from verl.workers import engine_workers
 
     # what _lb_mini_dispatch calls in place of dispatch_lazy_compute_data_proto's chunking
     nd_compute = require_attr(decorator, "dispatch_nd_compute", NAME)
@@ -133,27 +131,44 @@ def _dispatch_dicts():
         raise PatchError(f"odc patch '{NAME}': dispatch_nd_compute{inspect.signature(nd_compute)} changed")
     require_attr(Worker, "_query_dispatch_info", NAME)  # bound onto every worker group, used as verl uses it
 
-    found = []
-    for cls_name, method, mesh in _DISPATCHED:
-        fn = require_attr(require_attr(engine_workers, cls_name, NAME), method, NAME)
-        mode = (getattr(fn, MAGIC_ATTR, None) or {}).get("dispatch_mode")
-        if not isinstance(mode, dict) or "dispatch_fn" not in mode or "collect_fn" not in mode:
-            raise PatchError(f"odc patch '{NAME}': {cls_name}.{method} is no longer registered with a dispatch dict")
-        dispatch = mode["dispatch_fn"]
-        if isinstance(dispatch, functools.partial) and dispatch.func is _lb_mini_dispatch:
-            found.append((mode, None))  # already patched
-            continue
-        if not (
-            isinstance(dispatch, functools.partial)
-            and dispatch.func is dispatch_lazy_compute_data_proto
-            and dispatch.args == (mesh,)
-        ):
-            raise PatchError(
-                f"odc patch '{NAME}': {cls_name}.{method} is no longer dispatched by "
-                f"dispatch_lazy_compute_data_proto on mesh '{mesh}'"
-            )
-        found.append((mode, mesh))
-    return found
+
+def _planned(cls_name: str, method_name: str, method, mesh: str):
+    """A worker method, checked to be registered with verl's lazy nd dispatch on `mesh`, as a subclass's
+    method registered with the same settings but _lb_mini_dispatch in front of verl's dispatch."""
+    from verl.single_controller.base.decorator import MAGIC_ATTR, dispatch_lazy_compute_data_proto
+
+    attrs = getattr(method, MAGIC_ATTR, None) or {}
+    mode = attrs.get("dispatch_mode")
+    if not isinstance(mode, dict) or "dispatch_fn" not in mode or "collect_fn" not in mode:
+        raise PatchError(f"odc patch '{NAME}': {cls_name}.{method_name} is no longer registered with a dispatch dict")
+    dispatch = mode["dispatch_fn"]
+    if not (
+        isinstance(dispatch, functools.partial)
+        and dispatch.func is dispatch_lazy_compute_data_proto
+        and dispatch.args == (mesh,)
+    ):
+        raise PatchError(
+            f"odc patch '{NAME}': {cls_name}.{method_name} is no longer dispatched by "
+            f"dispatch_lazy_compute_data_proto on mesh '{mesh}'"
+        )
+
+    @functools.wraps(method)
+    def planned(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+
+    # the driver's worker group reads the dispatch from here; the worker runs verl's method as registered
+    setattr(
+        planned,
+        MAGIC_ATTR,
+        {
+            **attrs,
+            "dispatch_mode": {
+                "dispatch_fn": functools.partial(_lb_mini_dispatch, mesh, dispatch),
+                "collect_fn": mode["collect_fn"],
+            },
+        },
+    )
+    return planned
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,14 +189,14 @@ def _stage_settings(trainer, stage: str):
         return cache[stage]
     from verl.utils.config import omega_conf_to_dataclass
 
-    from odc_plugin.verl.dispatch import check_loss_aggregation, lb_mini_settings
+    from odc_plugin.verl.dispatch import lb_mini_settings
 
+    _check_losses(trainer)  # done at init; here for a trainer whose init did not run (tests)
     config = trainer.config
     roles = config.actor_rollout_ref
     settings = None
     if stage == "actor" and roles.actor.get("strategy") == "odc":
         actor = omega_conf_to_dataclass(roles.actor)
-        check_loss_aggregation("actor_rollout_ref.actor", actor.loss_agg_mode, actor.loss_scale_factor)
         # what ActorRolloutRefWorker.init_model gives the actor's engine (engine_workers.py:619-628)
         settings = lb_mini_settings(
             actor.engine,
@@ -192,7 +207,6 @@ def _stage_settings(trainer, stage: str):
         )
     elif stage == "critic" and config.critic.get("strategy") == "odc":
         critic = omega_conf_to_dataclass(config.critic)
-        check_loss_aggregation("critic", critic.loss_agg_mode, critic.loss_scale_factor)
         # what PPOTrainer._setup gives the critic's engine (trainer_base.py:266-268)
         settings = lb_mini_settings(
             critic.engine,
@@ -228,6 +242,40 @@ def _stage_settings(trainer, stage: str):
         settings = critic and critic.for_inference(critic.max_token_len, critic.micro_batch_size)
     cache[stage] = settings
     return settings
+
+
+def _check_losses(trainer) -> None:
+    """Refuse, once per trainer, a role's loss that depends on how strategy=odc packs its mini-batches
+    (odc_plugin.verl.dispatch.check_losses), logging what the probe found and its time."""
+    if trainer.__dict__.get("_odc_losses_checked"):
+        return
+    from odc_plugin.verl.dispatch import check_losses
+
+    start = time.perf_counter()
+    verdicts = check_losses(trainer.config)
+    if verdicts:
+        logger.log(
+            logging.INFO if all(v.invariant for v in verdicts.values()) else logging.WARNING,
+            "odc: losses probed in %.2f s: %s",
+            time.perf_counter() - start,
+            "; ".join(
+                f"{role} {'packing-invariant' if v.invariant else 'packing-dependent, packed as under fsdp2'}"
+                for role, v in verdicts.items()
+            ),
+        )
+    trainer._odc_losses_checked = True
+
+
+def _wrap_init(stock):
+    """`PPOTrainer.init`, refusing a packing-dependent loss before any worker starts."""
+
+    @functools.wraps(stock)
+    def _init(self):
+        _check_losses(self)
+        return stock(self)
+
+    _init._odc_patched = True
+    return _init
 
 
 # Where a stage's plan statistics go in the step's metrics.
@@ -280,48 +328,33 @@ def _wrap_stage(stock, stage: str):
     return _run
 
 
-def _trainer_class():
-    """verl's v1 PPOTrainer, checked; None (with TRAINER_SKIPPED set) when TransferQueue is missing."""
-    global TRAINER_SKIPPED
-    if importlib.util.find_spec("transfer_queue") is None:
-        TRAINER_SKIPPED = (
-            "the TransferQueue package is not installed, so verl's v1 trainer cannot run here "
-            "and there is nothing to patch"
-        )
-        logger.warning("odc patch '%s': trainer part not applied: %s", NAME, TRAINER_SKIPPED)
-        return None
-    TRAINER_SKIPPED = None
-    try:
-        module = importlib.import_module(TRAINER_MODULE)
-    except ImportError as e:
-        raise PatchError(f"odc patch '{NAME}': cannot import {TRAINER_MODULE}: {e!r}") from e
-    trainer = require_attr(module, "PPOTrainer", NAME)
+def _check_trainer(trainer: type) -> None:
+    """The stage methods of verl's trainer class, checked to be what _wrap_stage wraps."""
     for name, params in _SIGNATURES.items():
         fn = require_attr(trainer, name, NAME)
-        if getattr(fn, "_odc_patched", False):
-            continue
         if list(inspect.signature(fn).parameters) != params:
             raise PatchError(
-                f"odc patch '{NAME}': PPOTrainer.{name}{inspect.signature(fn)} is no longer ({', '.join(params)})"
+                f"odc patch '{NAME}': {trainer.__name__}.{name}{inspect.signature(fn)} is no longer "
+                f"({', '.join(params)})"
             )
         missing = [n for n in _TRAINER_USES[name] if n not in fn.__code__.co_names]
         if missing:
             raise PatchError(
-                f"odc patch '{NAME}': PPOTrainer.{name} no longer uses {missing}; it was rewritten, re-check the patch"
+                f"odc patch '{NAME}': {trainer.__name__}.{name} no longer uses {missing}; it was rewritten, "
+                f"re-check the patch"
             )
-    return trainer
 
 
-def apply() -> None:
+def extend(kind: str, base: type, members: dict) -> None:
+    """The trainer's stage methods (kind "trainer"), or the worker methods the plan dispatches."""
     require_verl_version(NAME, VERL_VERSION)
-    # check everything before changing anything
-    dispatch_dicts = _dispatch_dicts()
-    trainer = _trainer_class()
-    for mode, mesh in dispatch_dicts:
-        if mesh is not None:
-            mode["dispatch_fn"] = functools.partial(_lb_mini_dispatch, mesh, mode["dispatch_fn"])
-    if trainer is None:
+    if kind == "trainer":
+        _check_trainer(base)
+        members["init"] = _wrap_init(base.init)
+        for method, stage in _STAGES:
+            members[method] = _wrap_stage(getattr(base, method), stage)
         return
-    for method, stage in _STAGES:
-        if not getattr(getattr(trainer, method), "_odc_patched", False):
-            setattr(trainer, method, _wrap_stage(getattr(trainer, method), stage))
+    _check_dispatch()
+    for method, mesh in _DISPATCHED.get(kind, ()):
+        current = members.get(method) or require_attr(base, method, NAME)
+        members[method] = _planned(base.__name__, method, current, mesh)

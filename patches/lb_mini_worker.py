@@ -6,16 +6,20 @@ verl 0.9.1 (`verl/workers/engine_workers.py:243-339`) cuts a rank's data into pi
 exactly that iterator for every rank and re-split each step's samples over the ranks
 (`odc_plugin/verl/dispatch.py`); each rank receives the samples it needs and, in the non-tensor field
 `odc_mini_batch_steps` (from the batch's extra_info), the indices of those it runs in each step. When
-that field is there, this patch runs those steps instead of cutting its data itself (selecting with
-verl's own `index_select_tensor_dict`, as `make_iterator` does); the rest of a step is verl's: the
-per-sequence token counts all-gathered for MFU (292-303), the lr scheduler stepped on the last step only
-(305-310), `train_batch` per step, the profiler step, and the metrics folded over ranks and steps as
-verl folds them (322-336; a metric an engine reports as one value per rank is kept as such instead of
-failing verl's flattening). `global_batch_size` stays the global mini-batch size, so the loss
-normalization is unchanged, and every rank runs the same number of optimizer steps. Without the field
-(every stock run, and ODC runs balanced by lb_micro) the original method runs unchanged.
+that field is there, the TrainingWorker of odc runs (a subclass, odc_patches.odc_subclass) runs those
+steps instead of cutting its data itself (selecting with verl's own `index_select_tensor_dict`, as
+`make_iterator` does); the rest of a step is verl's: the per-sequence token counts all-gathered for
+MFU (292-303), the lr scheduler stepped on the last step only (305-310), `train_batch` per step, the
+profiler step, and the metrics folded over ranks and steps as verl folds them (322-336; a metric an
+engine reports as one value per rank is kept as such instead of failing verl's flattening).
+`global_batch_size` stays the global mini-batch size, so the loss normalization is unchanged, and
+every rank runs the same number of optimizer steps. Without the field (ODC runs balanced by lb_micro)
+verl's method runs unchanged; runs without odc use verl's TrainingWorker itself.
 
-The driver reproduces verl's iterator from what this method does with it; `apply()` checks that the
+Why a patch: verl has no hook inside train_mini_batch's loop, so the subclass's method re-implements it
+for the plan's steps, and must follow verl's own line by line.
+
+The driver reproduces verl's iterator from what this method does with it; `extend()` checks that the
 method still forms its mini-batches that way (`_ITERATOR_RULES`), so that a verl change fails loudly here
 instead of planning other mini-batches than verl trains on.
 
@@ -33,7 +37,6 @@ from odc_patches import PatchError, require_attr, require_verl_version
 
 VERL_VERSION = "0.9.1"
 NAME = "lb_mini_worker"
-TARGET = "verl.workers.engine_workers"
 
 # Names verl's train_mini_batch uses; if they change the method was rewritten and this patch must be too.
 _ORIGINAL_USES = ("make_iterator", "train_batch", "all_gather_object", "aggregate_dp", "train_mode")
@@ -105,15 +108,15 @@ def _check_helpers():
         require_attr(owner, name, NAME)
 
 
-def apply() -> None:
+def extend(kind: str, base: type, members: dict) -> None:
+    """The odc TrainingWorker's `train_mini_batch`: verl's, or the plan's steps when the batch carries them;
+    registered with verl's own dispatch dict (lb_mini_dispatch then plans it)."""
+    if kind != "training_worker":
+        return
     require_verl_version(NAME, VERL_VERSION)
     from verl.single_controller.base.decorator import register
-    from verl.workers import engine_workers
 
-    current = require_attr(engine_workers.TrainingWorker, "train_mini_batch", NAME)
-    if getattr(current, "_odc_patched", False):
-        return
-    attrs, raw = _original(current)
+    attrs, raw = _original(require_attr(base, "train_mini_batch", NAME))
     _check_helpers()
 
     @functools.wraps(raw)
@@ -127,14 +130,9 @@ def apply() -> None:
             return raw(self, data)
         return _train_by_steps(self, data, [[int(i) for i in step] for step in steps])
 
-    patched = register(
-        dispatch_mode=attrs["dispatch_mode"],  # the same dict: the dispatch patch edits it in place
-        execute_mode=attrs["execute_mode"],
-        blocking=attrs["blocking"],
+    members["train_mini_batch"] = register(
+        dispatch_mode=attrs["dispatch_mode"], execute_mode=attrs["execute_mode"], blocking=attrs["blocking"]
     )(train_mini_batch)
-    patched._odc_patched = True
-    patched._odc_original = current
-    engine_workers.TrainingWorker.train_mini_batch = patched
 
 
 def _train_by_steps(self, data, steps: list[list[int]]):

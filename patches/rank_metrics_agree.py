@@ -7,8 +7,12 @@ and host memory (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`,
 ranks' outputs and fails when their metrics differ ("KVBatchMeta.concat: extra_info key 'metrics' has
 conflicting values across chunks"). Under lockstep the ranks take those readings at nearly the same
 moment; under ODC a rank with a smaller LB-Mini share finishes a forward-only pass early, and the host
-memory it reads then differs from its peers'. This patch takes each such reading's maximum over the group
-(mfu: the mean), for odc engines only.
+memory it reads then differs from its peers'. The TrainingWorker of odc runs (a subclass,
+odc_patches.odc_subclass) takes each such reading's maximum over the group (mfu: the mean), for odc
+engines only.
+
+Why a patch: verl takes the readings inside `_postprocess_output`, with no hook between taking and
+returning them; the subclass's method runs verl's and then agrees on them.
 """
 
 from __future__ import annotations
@@ -20,20 +24,18 @@ from odc_patches import PatchError, require_attr, require_verl_version
 
 VERL_VERSION = "0.9.1"
 NAME = "rank_metrics_agree"
-TARGET = "verl.workers.engine_workers"
 
 _PARAMS = ["self", "output", "global_token_num", "delta_time", "forward_only", "images_seqlens"]
 PER_RANK_MAX = ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb")
 PER_RANK_MEAN = ("mfu",)
 
 
-def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
-    from verl.workers import engine_workers
-
-    current = require_attr(engine_workers.TrainingWorker, "_postprocess_output", NAME)
-    if getattr(current, "_odc_patched", False):
+def extend(kind: str, base: type, members: dict) -> None:
+    """The odc TrainingWorker's `_postprocess_output`: verl's, then the per-rank readings agreed on."""
+    if kind != "training_worker":
         return
+    require_verl_version(NAME, VERL_VERSION)
+    current = require_attr(base, "_postprocess_output", NAME)
     found = list(inspect.signature(current).parameters)
     if found != _PARAMS:
         raise PatchError(
@@ -60,14 +62,14 @@ def apply() -> None:
             images_seqlens=images_seqlens,
         )
         group = self.engine.get_data_parallel_group()
+        # an odc run's reference model may stay on fsdp2, in the same worker class
         if getattr(self.engine_config, "strategy", None) == "odc" and group is not None:
             metrics = dict(tu.get(final, "metrics"))
             _agree(metrics, group)
             tu.assign_non_tensor(final, metrics=metrics)
         return final
 
-    _postprocess_output._odc_patched = True
-    engine_workers.TrainingWorker._postprocess_output = _postprocess_output
+    members["_postprocess_output"] = _postprocess_output
 
 
 def _agree(metrics: dict, group) -> None:

@@ -10,12 +10,14 @@ import tempfile
 import pytest
 
 # With two workers taking a file each (pyproject's addopts), the longest files, verl's real trainer
-# runs (~11 min at 2 ranks, ~9 min for verl's settings, ~4 min at 8 emulated ones), must start first:
-# started last, any one alone would set the suite's wall time.
+# runs (~11 min at 2 ranks, ~9 min for verl's settings, ~4 min at 8 emulated ones, ~4.5 min for stock
+# verl with and without the plugin), must start first: started last, any one alone would set the suite's
+# wall time.
 LONGEST_FIRST = (
     "tests/verl/test_main_ppo.py",
     "tests/verl/test_verl_settings.py",
     "tests/verl/test_trainer_emulated.py",
+    "tests/verl/test_stock_verl.py",
 )
 
 # verl's checkpoint saving (verl.utils.fs.local_mkdir_safe) leaves an empty lock file in the temp dir

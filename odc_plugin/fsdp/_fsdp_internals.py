@@ -82,6 +82,20 @@ def grad_slots(group) -> list[ParamSlot]:
     return slots
 
 
+def on_compute_stream(group, device: torch.device) -> bool:
+    """Whether FSDP is allocating for `group`'s reduce-scatter on the compute stream (its input) rather
+    than on the reduce-scatter stream FSDP keeps in the group's comm context (its output). CPU: False."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.current_stream(device) != group.comm_ctx.reduce_scatter_stream
+
+
+def at_end_of_backward(callback) -> None:
+    """Call `callback` once the backward running now has finished: one of autograd's final callbacks, as
+    FSDP2 queues its own post-backward callback (which, queued earlier, runs first)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def reshards_to_a_smaller_group(modules_and_groups: list[tuple[FSDPModule, list]]) -> bool:
     """Whether any group was built with `reshard_after_forward` as an int: after forward its parameters
     are resharded over a smaller group than the one they live on, and backward gathers them from there."""
@@ -114,18 +128,15 @@ def reset_after_failure(modules_and_groups: list[tuple[FSDPModule, list]]) -> No
     """Return every FSDP module to idle after a forward or backward that raised midway.
 
     FSDP2's own recovery for that (`reset_iter_state` on the root: in-flight collectives waited for,
-    per-iteration trackers and training states cleared, groups resharded), and what it leaves: the
-    unsharded gradients a backward interrupted between autograd's write and FSDP's reduce-scatter, which
-    the next backward would add to. torch without `reset_iter_state` gets the training states reset here.
+    per-iteration trackers and training states cleared, groups resharded; torch 2.11 has none, and gets
+    the same steps from `_reset_iter_state`), and what it leaves: the unsharded gradients a backward
+    interrupted between autograd's write and FSDP's reduce-scatter, which the next backward would add to.
     """
     root = modules_and_groups[0][0]
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
     else:
-        for module, groups in modules_and_groups:
-            module._get_fsdp_state()._training_state = TrainingState.IDLE
-            for group in groups:
-                group._training_state = TrainingState.IDLE
+        _reset_iter_state(root._get_fsdp_state())
     for _, groups in modules_and_groups:
         for group in groups:
             for fsdp_param in group.fsdp_params:
@@ -134,6 +145,42 @@ def reset_after_failure(modules_and_groups: list[tuple[FSDPModule, list]]) -> No
                 if unsharded is not None:
                     unsharded.grad = None
     reset_to_idle(modules_and_groups)
+
+
+def _reset_iter_state(root_state) -> None:
+    """torch 2.12's `FSDPState._reset_iter_state` on torch 2.11's state: a forward or backward that raised
+    leaves its collectives' events, its groups' unsharded parameters and partial reductions, the modules
+    still expected to run forward, and a queued post-backward callback, which the next backward would skip
+    queueing, so that its gradients would never be reduced."""
+    stream = root_state._device_handle.current_stream()
+    comm = root_state._comm_ctx
+    for name in ("all_gather_state", "reduce_scatter_state"):
+        pending = getattr(comm, name, None)
+        if pending is not None and pending.event is not None:
+            stream.wait_event(pending.event)
+        setattr(comm, name, None)
+    comm.post_forward_order.clear()
+    for state in root_state._state_ctx.all_states:
+        state._modules_to_run_forward.clear()
+        state._training_state = TrainingState.IDLE
+        for group in _groups_of(state):
+            gathered = group._all_gather_result
+            if gathered is not None and gathered.all_gather_event is not None:
+                stream.wait_event(gathered.all_gather_event)
+            if gathered is not None and isinstance(gathered.all_gather_work, torch.distributed.Work):
+                gathered.all_gather_work.wait()
+            for event in (group._post_reduce_event, getattr(group._all_reduce_state, "event", None)):
+                if event is not None:
+                    stream.wait_event(event)
+            if group._reshard_after_forward_event is not None:
+                group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+            group._all_gather_result = group._post_reduce_event = group._all_reduce_state = None
+            group._reshard_after_forward_event = group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    root_state._state_ctx.iter_forward_root = None
+    root_state._state_ctx.post_backward_final_callback_queued = False
 
 
 def reduce_within_shard_group(modules_and_groups: list[tuple[FSDPModule, list]]) -> None:
@@ -154,7 +201,8 @@ def reduce_within_shard_group(modules_and_groups: list[tuple[FSDPModule, list]])
             shard_only = FSDPMeshInfo(
                 **{f.name: getattr(info, f.name) for f in fields(FSDPMeshInfo) if f.init} | {"replicate_mesh_dim": None}
             )
-            shard_only.reduce_scatter_process_group = info.reduce_scatter_process_group
+            if hasattr(info, "reduce_scatter_process_group"):  # torch >= 2.12: a group FSDP may build for it
+                shard_only.reduce_scatter_process_group = info.reduce_scatter_process_group
             # FSDP compares the two to decide whether resharding after forward moves to another mesh.
             if group.post_forward_mesh_info is info:
                 group.post_forward_mesh_info = shard_only

@@ -25,6 +25,7 @@ verl patches that use it are `patches/lb_mini_dispatch.py` (trainer and dispatch
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from collections.abc import Callable, Sequence
@@ -32,14 +33,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb_mini
+from odc_plugin.balance.lb_micro import verl_micro_batches
 from odc_plugin.balance.lb_mini import MIN_GAIN
 from odc_plugin.balance.online_fit import TimeFit
+from odc_plugin.verl.loss_probe import LOSS_AGG_MODES, ProbeShape, Verdict, probe_actor_loss, probe_critic_loss
 
 # extra_info entry the trainer sets on the batch of one call (a PlanRequest); only the dispatch reads it.
 PLAN_KEY = "odc_lb_mini_request"
 # extra_info entry each rank receives instead: for every optimizer step, the indices of its samples it
 # trains on in that step.
 STEPS_KEY = "odc_mini_batch_steps"
+
+# The actor's keys in verl's trainer config.
+ACTOR = "actor_rollout_ref.actor"
 
 # steps[s][r]: the batch positions rank r runs in step s.
 Steps = list[list[list[int]]]
@@ -89,8 +95,8 @@ class StepPlan:
     """Where every sample goes in every step of one call.
 
     steps[s][r]: batch positions rank r runs in step s (each step's positions once over its ranks);
-    micro_batches[s][r]: the micro-batches LB-Mini's packing predicts for that share (the engine packs its
-        own, so this is an estimate).
+    micro_batches[s][r]: the micro-batches the engine runs for that share: LB-Mini packs it with verl's
+        own functions, as the engine does (odc_plugin.balance.lb_micro.verl_micro_batches).
     """
 
     steps: tuple[tuple[tuple[int, ...], ...], ...]
@@ -182,7 +188,7 @@ def plan_steps(
         _fill_empty_ranks(shares, cost_model.costs(step_lens))
         steps.append(tuple(tuple(members[i] for i in share) for share in shares))
         if micro_batch_size is None:
-            micro.append(tuple(len(lb_mini([step_lens[i] for i in s], 1, budget, cost=cost_model)[0]) for s in shares))
+            micro.append(tuple(len(verl_micro_batches([step_lens[i] for i in s], budget)) for s in shares))
         else:
             micro.append(tuple(-(-len(s) // micro_batch_size) for s in shares))
     return StepPlan(steps=tuple(steps), micro_batches=tuple(micro))
@@ -354,19 +360,135 @@ def split_by_plan(meta, dp_size: int) -> list:
     return pieces
 
 
-def check_loss_aggregation(role: str, loss_agg_mode: str, loss_scale_factor: int | None) -> None:
-    """Refuse the one loss whose value depends on how a rank cuts its share into micro-batches.
+def check_losses(config) -> dict[str, Verdict]:
+    """Refuse, before training, a loss whose update depends on which samples share a micro-batch.
 
-    verl normalizes every loss by the whole mini-batch, except `seq-mean-token-sum-norm` without a
-    `loss_scale_factor`, which divides each micro-batch's loss by that micro-batch's padded length. Under
-    `strategy=odc` ranks hold other samples and pack other micro-batches than under fsdp2, so that loss,
-    and the training, would differ."""
-    if loss_agg_mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
-        raise ValueError(
-            f"odc: {role}.loss_agg_mode=seq-mean-token-sum-norm without {role}.loss_scale_factor divides each "
-            f"micro-batch's loss by its own padded length, which differs under strategy=odc; set "
-            f"{role}.loss_scale_factor (e.g. to data.max_response_length)"
+    verl's trainer config `config` names the losses: the actor's (`policy_loss.loss_mode` from verl's
+    registry, `loss_agg_mode`, `loss_scale_factor`, the entropy and KL terms) and the critic's
+    (`loss_agg_mode`, `loss_scale_factor`, `cliprange_value`). For every role that trains under
+    strategy=odc, `odc_plugin.verl.loss_probe` runs the role's loss on the run's shape packed two ways. A
+    role whose loss differs is refused with one line naming the key to change, unless it packs as fsdp2
+    does (`odc_balancer=lb_micro` with a fixed micro-batch size, or `odc_lockstep`): it then trains the
+    same. Returns each probed role's verdict, for the log.
+
+    Long because it reads each role's shape from its own keys.
+    """
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic
+    from verl.utils.config import omega_conf_to_dataclass
+
+    roles = config.actor_rollout_ref
+    ranks = config.trainer.n_gpus_per_node * config.trainer.nnodes
+    lengths = {
+        "max_prompt_length": config.data.max_prompt_length,
+        "max_response_length": config.data.max_response_length,
+    }
+    verdicts = {}
+    if roles.actor.get("strategy") == "odc":
+        actor = omega_conf_to_dataclass(roles.actor)
+        correction = config.algorithm.get("rollout_correction") or {}
+        shape = ProbeShape(
+            dp_size=ranks // _sp_size(actor.engine),
+            samples=actor.ppo_mini_batch_size * roles.rollout.n,
+            micro_batch_size=None if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu,
+            max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            **lengths,
         )
+        # what the trainer adds to the batch in decoupled rollout correction (trainer_base.py:1765-1793)
+        weights = bool(
+            correction.get("rollout_is") and not correction.get("bypass_mode") and roles.rollout.calculate_log_probs
+        )
+        verdicts[ACTOR] = _check_role(
+            ACTOR,
+            actor,
+            lambda c, **kw: probe_actor_loss(c, shape, rollout_is_weights=weights, **kw),
+            shape,
+            _packs_as_fsdp2(actor.engine, actor.use_dynamic_bsz),
+        )
+    if need_critic(config) and config.critic.get("strategy") == "odc":
+        # without its model: instantiating the model's config loads its tokenizer, which no loss reads
+        node = OmegaConf.to_container(config.critic, resolve=True)
+        node.pop("model")
+        critic = omega_conf_to_dataclass(node)
+        shape = ProbeShape(
+            dp_size=ranks // _sp_size(critic.engine),
+            samples=critic.ppo_mini_batch_size * roles.rollout.n,
+            micro_batch_size=None if critic.use_dynamic_bsz else critic.ppo_micro_batch_size_per_gpu,
+            max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+            **lengths,
+        )
+        verdicts["critic"] = _check_role(
+            "critic",
+            critic,
+            lambda c, **kw: probe_critic_loss(c, shape, **kw),
+            shape,
+            _packs_as_fsdp2(critic.engine, critic.use_dynamic_bsz),
+        )
+    return verdicts
+
+
+def _check_role(role: str, config, probe: Callable, shape: ProbeShape, packs_as_fsdp2: bool) -> Verdict:
+    """Probe the role's loss; refuse it, naming the key that makes it depend on the packing, when it does and
+    the role packs otherwise than fsdp2."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    verdict = probe(config)
+    if verdict.invariant or packs_as_fsdp2:
+        return verdict
+    agg = config.loss_agg_mode
+    if agg == "seq-mean-token-sum-norm" and config.loss_scale_factor is None:
+        scaled = dataclasses.replace(config, loss_scale_factor=shape.max_response_length)
+        if probe(scaled).invariant:
+            raise ValueError(
+                f"odc: {role}.loss_agg_mode=seq-mean-token-sum-norm without {role}.loss_scale_factor divides each "
+                f"micro-batch's loss by its own padded length, which differs under strategy=odc; set "
+                f"{role}.loss_scale_factor (e.g. to data.max_response_length)"
+            )
+    policy = getattr(config, "policy_loss", None)
+    if policy is not None and not probe(dataclasses.replace(config, loss_agg_mode="token-mean")).invariant:
+        key, value = "policy_loss.loss_mode", policy.loss_mode
+        others = [
+            mode
+            for mode in POLICY_LOSS_REGISTRY
+            if _invariant(probe, dataclasses.replace(config, policy_loss=dataclasses.replace(policy, loss_mode=mode)))
+        ]
+    else:
+        key, value = "loss_agg_mode", agg
+        others = [mode for mode in LOSS_AGG_MODES if _invariant(probe, dataclasses.replace(config, loss_agg_mode=mode))]
+    raise ValueError(
+        f"odc: {role}.{key}={value} depends on which samples share a micro-batch (packed otherwise, the same "
+        f"mini-batch's gradient differs by {_percent(verdict.difference)}), and strategy=odc packs them otherwise than "
+        f"fsdp2; use a packing-invariant {key} ({', '.join(others) or 'none here'}), "
+        f"pack as fsdp2 with odc_balancer=lb_micro and a fixed micro-batch size, or train {role} with strategy=fsdp2"
+    )
+
+
+def _percent(fraction: float) -> str:
+    """A fraction as a percentage to two figures, never rounded to 0%."""
+    percent = 100 * fraction
+    return f"{percent:.0f}%" if percent >= 10 else f"{percent:.2g}%"
+
+
+def _invariant(probe: Callable, config) -> bool:
+    """Whether the loss under `config` is packing-invariant (one trial: a list of alternatives to offer); a
+    setting verl's loss rejects (e.g. `dro` without `dro_beta`) is not one to offer."""
+    try:
+        return probe(config, trials=1).invariant
+    except (ValueError, AssertionError, TypeError):
+        return False
+
+
+def _packs_as_fsdp2(engine_config, use_dynamic_bsz: bool) -> bool:
+    """Whether an odc role packs every rank's micro-batches as fsdp2 does: verl's equal split (`lb_micro`),
+    cut into fixed-size micro-batches, or with dynamic batch sizes as many as the busiest rank's (lockstep)."""
+    from odc_plugin.verl.config import as_odc_config
+
+    odc = as_odc_config(engine_config)
+    return odc.odc_balancer == "lb_micro" and (odc.odc_lockstep or not use_dynamic_bsz)
+
+
+def _sp_size(engine_config) -> int:
+    return int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
 
 
 def lb_mini_settings(
@@ -401,7 +523,7 @@ def lb_mini_settings(
         cost = get_cost_model("fit", a=odc.odc_cost_fit_a, b=odc.odc_cost_fit_b)
     else:
         cost = get_cost_model(odc.odc_cost_model)
-    sp_size = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
+    sp_size = _sp_size(engine_config)
     if use_dynamic_bsz:
         if max_token_len is None:
             raise ValueError("use_dynamic_bsz needs ppo_max_token_len_per_gpu")

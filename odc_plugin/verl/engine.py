@@ -25,6 +25,17 @@ their group; different groups run different micro-batch counts and meet once, at
 `fsdp_size` works as under `fsdp2`: smaller than the world size it builds verl's 2-D (ddp x fsdp) mesh,
 HSDP, and ODC then gets and accumulates inside each fsdp group (one node) and all-reduces across the
 groups once per mini-batch.
+
+ODC's device memory follows the engine's phases: its regions (published shards, accumulator) exist only
+while the engine computes. They are built at the start of a pass (`forward_backward_batch`) and released
+when verl leaves the engine's train or eval mode (the outermost, and only without an exception: all ranks
+leave alike then), when it offloads the model to the CPU (`to`), and once the engine is initialized, so
+that nothing of ODC's but its transport's control words is left on the device while the rollout (which
+runs between phases, on the same GPUs) generates, offload on or off; the reference model's regions too.
+Metrics per role: `odc/held_outside_bytes` (what ODC held when last released: 0),
+`odc/control_bytes`, `odc/extra_bytes_per_param` during a mini-batch, `odc/rebuild_s` (building and
+releasing since the last report, so per step); the reference model's, which verl keeps no metrics of,
+under the actor's as `odc/ref/*` (it lives in the actor's processes).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -41,6 +53,8 @@ from verl.utils.device import get_device_id
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+import odc_patches
 
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit
 from ..comm import ODCPeerFailedError, make_transport
@@ -51,6 +65,8 @@ from .dispatch import STEPS_KEY
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # verl's own modules' convention
+# The odc engines of this process: a trained one reports the forward-only ones' memory (the reference model's)
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -68,6 +84,9 @@ class _ODCEngineMixin:
     """Overrides shared by the language-model (actor, ref) and value-model (critic) engines."""
 
     def _init_device_mesh(self):
+        # the first thing verl's engine init calls: an odc engine on a verl the patches were not written for
+        # fails here, in one line, on every rank alike
+        odc_patches.require_odc_verl()
         # verl would hand a bad fsdp_size to init_device_mesh, whose error names neither the key nor the fix.
         fsdp_size, world_size = self.engine_config.fsdp_size, dist.get_world_size()
         if 0 <= fsdp_size < world_size and (fsdp_size < 2 or world_size % fsdp_size):
@@ -95,6 +114,10 @@ class _ODCEngineMixin:
             OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
         )
         self.expert_routing = ExpertRouting.of(module)
+        self._odc_phases = 0  # train/eval modes entered and not left
+        self._odc_held_outside = 0  # ODC's bytes, control words aside, when it was last released
+        self._odc_reported_s: dict[int, float] = {}  # build_s of each engine this one last reported
+        _ENGINES.add(self)
         replicas = self.odc.mesh.num_replicas
         logger.info(
             "odc: %s%s on %d ranks over %s%s",
@@ -106,7 +129,42 @@ class _ODCEngineMixin:
         )
         return module
 
+    def initialize(self):
+        super().initialize()
+        self._odc_release()  # nothing held until the engine first computes: the rollout starts after this
+
+    def train_mode(self, **kwargs):
+        return self._odc_phase(super().train_mode(**kwargs))
+
+    def eval_mode(self, **kwargs):
+        return self._odc_phase(super().eval_mode(**kwargs))
+
+    @contextlib.contextmanager
+    def _odc_phase(self, mode):
+        """verl's train or eval mode; ODC's regions go when the outermost one is left (verl nests them: the
+        update's mini-batches run in modes of their own inside the update's). An exception leaves them: a
+        release is collective, and a rank alone in an exception may have peers elsewhere."""
+        self._odc_phases += 1
+        try:
+            with mode:
+                yield
+        finally:
+            self._odc_phases -= 1
+        if self._odc_phases == 0:
+            self._odc_release()
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        # offloading inside a mode (verl's on leaving one) waits for the mode's end, where the release is
+        if device == "cpu" and model and self._odc_phases == 0:
+            self._odc_release()
+
+    def _odc_release(self) -> None:
+        self.odc.release()
+        self._odc_held_outside = self.odc.memory_bytes().regions
+
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        self.odc.build()  # collective, before anything of the pass that may fail on one rank alone
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         tu.pop(data, key=STEPS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan: one step, all
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
@@ -143,15 +201,16 @@ class _ODCEngineMixin:
         stats = self.odc.last_stats
 
         output = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+        # What is reported per step, not per mini-batch, goes with the update's last one (verl marks it for its lr
+        # scheduler): reported for every mini-batch, verl's metric reduction would hand the trainer their mean.
+        last = tu.get_non_tensor_data(data=data, key="update_lr_scheduler", default=True)
         # A pass without a loss (log-probs, values) has no metrics to fold, and verl's trainer keeps none of its
         # metrics: no collective for them (one costs ~0.1 s among 32 processes on 2 cores: odc-grpo-cpu --emulate)
         if loss_function is not None:
             self._fold_metrics_over_ranks(output["metrics"])
-            output["metrics"].update(self._odc_metrics(stats, len(micro_batches)))
+            output["metrics"].update(self._odc_metrics(stats, len(micro_batches), last))
         if clock.timed:
-            # the fit after the update's last mini-batch (verl marks it for its lr scheduler) plans the next
-            # step: reported for every mini-batch, verl's metric reduction would hand the trainer their mean
-            last = tu.get_non_tensor_data(data=data, key="update_lr_scheduler", default=True)
+            # the fit after the update's last mini-batch plans the next step
             fit = self._refit(clock.seconds())
             output["metrics"].update(fit if last else {})
         if self.expert_routing is not None and not forward_only:
@@ -183,9 +242,9 @@ class _ODCEngineMixin:
         With a fixed micro-batch size the share is cut in order into pieces of that size and a smaller
         last one: under LB-Mini a rank's share need not divide by it, which verl's own preparation asserts.
         Every loss verl normalizes by the whole mini-batch (`batch_num_tokens`, `global_batch_size`, `dp_size`),
-        so how a share is cut changes nothing but the float rounding of the sums; the one exception, a
-        `seq-mean-token-sum-norm` loss without `loss_scale_factor`, which divides by each micro-batch's padded
-        width, is refused when the trainer plans (patches/lb_mini_dispatch.py).
+        so how a share is cut changes nothing but the float rounding of the sums; a loss whose gradient does
+        depend on it (`seq-mean-token-sum-norm` without `loss_scale_factor`, GMPO, Clip-Cov) is refused at
+        start by the loss probe (verl/loss_probe.py).
         """
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             # the lockstep baseline runs every rank through as many micro-batches as the busiest, as fsdp2 does
@@ -269,18 +328,38 @@ class _ODCEngineMixin:
         values.update({f"odc/rank_speed_{r}": v for r, v in enumerate(fit.speeds)})
         return {key: [value] for key, value in values.items()}
 
-    def _odc_metrics(self, stats, num_micro_batches: int) -> dict[str, float]:
-        """Compute and barrier-wait time over ranks, and the memory ODC adds to FSDP2's (a collective, after
-        the mini-batch has ended)."""
-        extra = self.odc.memory_bytes().extra_bytes_per_param
+    def _odc_memory(self, last: bool) -> dict[str, float]:
+        """This rank's ODC memory figures, max over ranks when reported: this engine's, and with the update's
+        last mini-batch the seconds spent building and releasing since the last report; the forward-only odc
+        engines of this process (the reference model's) under `ref/`, with the update's last mini-batch."""
+        values, engines = {}, [("", self)]
+        if last:
+            forward_only = [e for e in _ENGINES if e is not self and e.engine_config.forward_only]
+            engines += [(f"ref{i if len(forward_only) > 1 else ''}/", e) for i, e in enumerate(forward_only)]
+        for prefix, engine in engines:
+            during = engine.odc.minibatch_memory
+            values[f"odc/{prefix}held_outside_bytes"] = float(engine._odc_held_outside)
+            values[f"odc/{prefix}control_bytes"] = float(engine.odc.memory_bytes().control)
+            values[f"odc/{prefix}extra_bytes_per_param"] = during.extra_bytes_per_param if during else 0.0
+            if last:
+                spent = engine.odc.build_s - self._odc_reported_s.get(id(engine), 0.0)
+                self._odc_reported_s[id(engine)] = engine.odc.build_s
+                values[f"odc/{prefix}rebuild_s"] = spent
+        return values
+
+    def _odc_metrics(self, stats, num_micro_batches: int, last: bool) -> dict[str, float]:
+        """Compute and barrier-wait time over ranks, and ODC's memory (a collective, after the mini-batch has
+        ended)."""
+        memory = self._odc_memory(last)
         mine = torch.tensor(
-            [stats.compute_s, stats.wait_s, float(num_micro_batches), extra],
+            [stats.compute_s, stats.wait_s, float(num_micro_batches), *memory.values()],
             dtype=torch.float64,
             device=get_device_id(),
         )
         every = [torch.empty_like(mine) for _ in range(self.get_data_parallel_size())]
         dist.all_gather(every, mine, group=self.get_data_parallel_group())
-        compute, wait, micro, extra = torch.stack(every).cpu().unbind(1)
+        gathered = torch.stack(every).cpu()
+        compute, wait, micro = gathered[:, :3].unbind(1)
         values = {
             "odc/compute_s_mean": compute.mean(),
             "odc/compute_s_max": compute.max(),
@@ -290,9 +369,17 @@ class _ODCEngineMixin:
             "odc/compute_imbalance": compute.max() / compute.mean().clamp_min(1e-9),
             "odc/micro_batches_min": micro.min(),
             "odc/micro_batches_max": micro.max(),
-            # bytes per parameter of this rank's shards that ODC holds beyond FSDP2 (published shards,
-            # accumulator padding and flags), the largest over ranks: 2 for a model under bf16 mixed precision
-            "odc/extra_bytes_per_param": extra.max(),
+            # memory, the largest over ranks: extra_bytes_per_param is what ODC holds beyond FSDP2 during a
+            # mini-batch per parameter of a rank's shards (published shards, accumulator padding and flags,
+            # the zeros `.grad` points at): about 2 under bf16 mixed precision, and the largest shard's 4 bytes
+            # over the shards' elements while a backward runs. The time spent building and releasing, the least
+            # over ranks: building is collective, so a rank's time also holds its wait for the last rank to
+            # arrive, which it would otherwise spend at the pass's first collective; every rank's holds each
+            # build's time after the last arrival, so the least is still at least what the step spends.
+            **{
+                key: column.min() if key.endswith("rebuild_s") else column.max()
+                for key, column in zip(memory, gathered[:, 3:].unbind(1))
+            },
         }
         # lists, like the loss function's own per-micro-batch metrics, which verl's worker flattens
         return {key: [value.item()] for key, value in values.items()}
@@ -350,3 +437,21 @@ class ODCEngineWithLMHead(_ODCEngineMixin, FSDPEngineWithLMHead):
 
 class ODCEngineWithValueHead(_ODCEngineMixin, FSDPEngineWithValueHead):
     """Critic."""
+
+
+DEVICES = ["cuda", "cpu"]
+
+
+def register() -> None:
+    """The odc engines join verl's EngineRegistry, for cuda and cpu (once: a reload imports this again)."""
+    from verl.workers.engine import EngineRegistry
+
+    for model_type, engine_cls in (("language_model", ODCEngineWithLMHead), ("value_model", ODCEngineWithValueHead)):
+        if EngineRegistry._engines.get(model_type, {}).get("odc") is None:
+            EngineRegistry.register(model_type, "odc", device=DEVICES)(engine_cls)
+
+
+# Importing this module registers its engines: the plugin registers them when verl's engine package is
+# imported (odc_plugin/verl/plugin.py), and when this module is what imports that package, the classes
+# are not defined yet at that moment.
+register()

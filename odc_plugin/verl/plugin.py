@@ -1,34 +1,59 @@
 """verl plugin entry point: importing this module is the registration.
 
 verl 0.9.1 imports every `verl.plugins` entry point in the middle of `import verl` and never calls it.
-Nothing here may resolve verl's device platform then (a later plugin may still register one), so the
-`odc` engines join verl's EngineRegistry, and the patches in `patches/` are applied, only once verl's
-engine and worker modules are imported (`imports.after_import`). With VERL_PLATFORM=cpu the plugin
-also makes verl run on CPU (`cpu/`).
+Nothing here may resolve verl's device platform then (a later plugin may still register one), so what
+the plugin does to verl waits until verl's own modules are imported (`imports.after_import`):
+
+- the `odc` engines join verl's EngineRegistry (verl's extension point for backends);
+- verl's trainer gets the choice between its own class and the odc subclass (`patches/trainer_choice.py`),
+  which acts only on a configuration naming odc; everything odc needs of verl's trainer and workers comes
+  with that subclass (odc_plugin/verl/trainer.py), so a run of other strategies executes verl's own code.
+
+With VERL_PLATFORM=cpu the plugin also makes verl run on CPU (`cpu/`).
+
+verl logs a plugin that fails to import at DEBUG level only, after which `strategy=odc` fails far from
+the cause ("Unknown backend: odc"); so a failure here is logged at ERROR with its reason before verl
+swallows it, and a failure of a deferred registration at WARNING, leaving runs of other strategies to start.
 """
 
 from __future__ import annotations
 
-import odc_patches
+import logging
+import sys
 
-from . import cpu
-from .imports import after_import
-
-DEVICES = ["cuda", "cpu"]
+logger = logging.getLogger(__name__)
+UNAVAILABLE = "strategy=odc is unavailable (verl will say 'Unknown backend: odc'); other strategies are unaffected"
 
 
 def _register_engines() -> None:
-    from verl.workers.engine import EngineRegistry
+    engine = sys.modules.get(f"{__package__}.engine")
+    if engine is not None and getattr(engine.__spec__, "_initializing", False):
+        return  # engine.py is importing verl's engine package itself, and registers when it is done
+    from . import engine
 
-    from .engine import ODCEngineWithLMHead, ODCEngineWithValueHead
-
-    for model_type, engine_cls in (("language_model", ODCEngineWithLMHead), ("value_model", ODCEngineWithValueHead)):
-        # Registering twice raises in verl; the module can be imported again after a reload.
-        if EngineRegistry._engines.get(model_type, {}).get("odc") is None:
-            EngineRegistry.register(model_type, "odc", device=DEVICES)(engine_cls)
+    engine.register()
 
 
-if cpu.requested():
-    cpu.enable(after_import)
-after_import("verl.workers.engine", _register_engines)
-odc_patches.apply_after_import(after_import)
+def _warn_on_failure(what: str, callback):
+    def run() -> None:
+        try:
+            callback()
+        except Exception as e:
+            logger.warning("odc_plugin: %s failed, %s: %s: %s", what, UNAVAILABLE, type(e).__name__, e)
+
+    return run
+
+
+try:
+    from odc_patches import trainer_choice
+
+    from . import cpu
+    from .imports import after_import
+
+    if cpu.requested():
+        cpu.enable(after_import)
+    after_import("verl.workers.engine", _warn_on_failure("registering the odc engines", _register_engines))
+    after_import(trainer_choice.TARGET, _warn_on_failure("odc patch 'trainer_choice'", trainer_choice.apply))
+except Exception as e:
+    logger.error("odc_plugin: the verl plugin 'odc' failed to load, %s: %s: %s", UNAVAILABLE, type(e).__name__, e)
+    raise

@@ -41,7 +41,7 @@ def odc_vs_stock_update(
     fsdp2: stock verl: this rank's chunk of the batch (what verl's dispatch hands it), cut into mini-batches
            by verl's own train_mini_batch (its iterator, epochs, shuffle);
     odc:   strategy odc, this rank's samples of the LB-Mini plan (odc_positions[rank]) and its steps
-           (odc_steps[rank], as the dispatch sends them in extra_info), through the patched
+           (odc_steps[rank], as the dispatch sends them in extra_info), through the odc
            TrainingWorker.train_mini_batch.
     """
     from verl.utils import tensordict_utils as tu

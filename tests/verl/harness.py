@@ -58,6 +58,13 @@ TINY_QWEN2 = {
 }
 ATTN_IMPL = "sdpa"
 PAD_TOKEN_ID = 0
+# Where the ranks run: "cpu" (the default: verl on CPU, gloo, ODC's shm transport) or "cuda", which
+# benchmarks/gpu_check.py sets on a GPU machine: verl on its own CUDA platform, rank r on GPU
+# r % device_count (all on one GPU when there is one), ODC over CUDA IPC.
+DEVICE_ENV = "ODC_TEST_DEVICE"
+DEVICE = os.environ.get(DEVICE_ENV, "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"{DEVICE_ENV} must be cpu or cuda, got {DEVICE!r}")
 
 
 def run_on_ranks(
@@ -69,9 +76,15 @@ def run_on_ranks(
     pg_timeout_s: float = 300.0,
 ) -> list[Any]:
     """``odc_plugin.launch.run_ranks`` with verl on CPU in every rank (``VERL_PLATFORM=cpu``, then
-    ``plugin_modules`` imported, e.g. ``["odc_plugin.verl.plugin"]``) before ``fn``'s module loads."""
-    setup = partial(_cpu_rank_setup, tuple(plugin_modules))
-    return run_ranks(fn, world_size, *args, setup=setup, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    ``plugin_modules`` imported, e.g. ``["odc_plugin.verl.plugin"]``) before ``fn``'s module loads;
+    with ``ODC_TEST_DEVICE=cuda``, verl on its own CUDA platform instead (see :data:`DEVICE`)."""
+    if DEVICE == "cuda":
+        setup, backend = partial(_cuda_rank_setup, tuple(plugin_modules)), cuda_backend(world_size)
+    else:
+        setup, backend = partial(_cpu_rank_setup, tuple(plugin_modules)), "gloo"
+    return run_ranks(
+        fn, world_size, *args, setup=setup, backend=backend, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s
+    )
 
 
 def _cpu_rank_setup(plugin_modules: tuple[str, ...]) -> None:
@@ -83,6 +96,40 @@ def _cpu_rank_setup(plugin_modules: tuple[str, ...]) -> None:
 
     for module in plugin_modules:
         importlib.import_module(module)
+
+
+def cuda_backend(world_size: int) -> str:
+    """The ranks' process group on GPUs: verl's own ("cpu:gloo,cuda:nccl") when every rank has a GPU of
+    its own; plain gloo when ranks share one, since NCCL refuses a communicator with two ranks on one GPU
+    ("Duplicate GPU detected", NCCL 2.5 and later). gloo stages CUDA tensors through host memory for
+    FSDP2's and verl's collectives; ODC itself runs none inside a mini-batch."""
+    return "cpu:gloo,cuda:nccl" if world_size <= torch.cuda.device_count() else "gloo"
+
+
+def _cuda_rank_setup(plugin_modules: tuple[str, ...]) -> None:
+    import importlib
+    import importlib.util
+
+    import odc_patches
+    from odc_plugin.verl.imports import after_import
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    import verl  # noqa: F401  (before the plugin, as on CPU; with no entry point installed it loads none)
+
+    if importlib.util.find_spec("flash_attn") is None:
+        # verl loads the critic's value-head model with flash-attention whatever the config says; without
+        # it (the lent GPU machine has none) the critic loads with the config's sdpa, as on CPU
+        odc_patches.apply_after_import(after_import, ("cpu_valuehead_attn",))
+    for module in plugin_modules:
+        importlib.import_module(module)
+
+
+def _shares_a_gpu() -> bool:
+    """A GPU rank in a gloo group (cuda_backend): ODC's transport `auto`, which picks by the group's
+    backend, would take it for a CPU rank."""
+    import torch.distributed as dist
+
+    return DEVICE == "cuda" and "nccl" not in str(dist.get_backend())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +195,12 @@ def _engine_config(engine_config_cls, strategy, forward_only, engine_kwargs):
         "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         "use_no_sync_for_gradient_accumulation": False,  # the yaml default (engine/fsdp.yaml)
     }
+    if strategy == "odc" and _shares_a_gpu():
+        from odc_plugin.verl.config import ODCEngineConfig
+
+        cls = engine_config_cls or ODCEngineConfig
+        if issubclass(cls, ODCEngineConfig):
+            kw["odc_transport"] = "cuda_ipc"
     kw.update(engine_kwargs or {})
     try:
         return cls(**kw)
@@ -243,7 +296,11 @@ def build_engine(
     engine_cfg.infer_micro_batch_size_per_gpu = micro_batch_size_per_gpu
     engine_cfg.use_remove_padding = use_remove_padding
 
-    worker = TrainingWorker(
+    if strategy == "odc":  # the worker class an odc run builds (odc_plugin/verl/trainer.py)
+        from odc_plugin.verl.workers import ODCTrainingWorker as worker_cls
+    else:
+        worker_cls = TrainingWorker
+    worker = worker_cls(
         config=TrainingWorkerConfig(
             model_type=model_type,
             model_config=model_config,
@@ -468,7 +525,7 @@ def _infer(worker, batch, key: str, **flags):
     tu.assign_non_tensor(data, compute_loss=False, **flags)
     out = worker.infer_batch(data)
     nested = tu.get(out, key)
-    return [t.detach().clone() for t in nested.unbind()]
+    return [t.detach().cpu().clone() for t in nested.unbind()]  # from a GPU rank too, to compare in the parent
 
 
 def compute_log_probs(worker, batch, calculate_entropy: bool = False) -> list[torch.Tensor]:

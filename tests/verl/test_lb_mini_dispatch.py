@@ -5,11 +5,13 @@ the patches patches/lb_mini_dispatch.py, patches/lb_mini_worker.py).
 * the plan: every step's samples once, uneven counts, at least one sample per rank, verl's own pieces kept
   when LB-Mini predicts no gain, fixed micro-batch sizes, errors, determinism;
 * the split of a batch's TransferQueue metadata by a plan: each sample once per rank, steps as indices;
-* the settings a role gets from its engine config (which runs are ODC + LB-Mini), and the one loss refused;
-* verl's v1 PPOTrainer with the patch (real `_balance_batch` / `_update_actor` / `_update_critic` on a
-  real hydra config; the worker groups are stand-ins, since Ray workers and TransferQueue cannot run here);
-* the patched dispatch inside verl's real `dispatch_nd_compute` (Ray object store, stand-in worker group);
-* the patched `TrainingWorker.train_mini_batch` on 2 gloo ranks with the `odc` engine and uneven shares,
+* the settings a role gets from its engine config (which runs are ODC + LB-Mini) (the losses refused:
+  tests/verl/test_loss_probe.py);
+* verl's v1 PPOTrainer as main_ppo builds it for the config (real `_balance_batch` / `_update_actor` /
+  `_update_critic` on a real hydra config; the worker groups are stand-ins, since Ray workers and
+  TransferQueue cannot run here);
+* the odc workers' dispatch inside verl's real `dispatch_nd_compute` (Ray object store, stand-in worker group);
+* the odc `TrainingWorker.train_mini_batch` on 2 gloo ranks with the `odc` engine and uneven shares,
   against stock fsdp2's own `train_mini_batch` on verl's split of the same batch, several mini-batches and
   epochs, shuffled: the same samples in every optimizer step, the same weights.
 """
@@ -31,7 +33,6 @@ from odc_plugin.verl.dispatch import (
     PlanRequest,
     StepPlan,
     _fill_empty_ranks,
-    check_loss_aggregation,
     lb_mini_settings,
     plan_metrics,
     plan_steps,
@@ -230,20 +231,6 @@ def test_settings_only_for_odc_with_lb_mini():
     assert s.cost(10) == 2.0 * 100 + 3.0 * 10 and (s.max_token_len, s.micro_batch_size) == (None, 4)
 
 
-def test_the_loss_that_depends_on_micro_batches_is_refused():
-    check_loss_aggregation("critic", "seq-mean-token-sum-norm", 512)
-    for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"):
-        check_loss_aggregation("critic", mode, None)
-    with pytest.raises(ValueError) as refused:
-        check_loss_aggregation("actor_rollout_ref.actor", "seq-mean-token-sum-norm", None)
-    assert str(refused.value) == (
-        "odc: actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm without "
-        "actor_rollout_ref.actor.loss_scale_factor divides each micro-batch's loss by its own padded length, "
-        "which differs under strategy=odc; set actor_rollout_ref.actor.loss_scale_factor (e.g. to "
-        "data.max_response_length)"
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # splitting a batch's metadata
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +265,7 @@ _DYNAMIC = {"use_dynamic_bsz": True, "max_token_len": 64, "micro_batch_size": No
 
 
 # ---------------------------------------------------------------------------------------------
-# verl's v1 trainer, patched
+# verl's v1 trainer, as main_ppo builds it
 # ---------------------------------------------------------------------------------------------
 
 
@@ -310,9 +297,8 @@ def _trainer(tmp_path, *overrides):
     from transformers import Qwen2Config
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
-    import odc_patches
+    from odc_plugin.verl.trainer import trainer_class
 
-    odc_patches.apply_all()
     Qwen2Config(
         hidden_size=32,
         intermediate_size=64,
@@ -339,7 +325,8 @@ def _trainer(tmp_path, *overrides):
     ]
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         config = compose(config_name="ppo_trainer", overrides=base + list(overrides))
-    trainer = object.__new__(get_trainer_cls("sync"))  # the real class; __init__ would start Ray and TransferQueue
+    # the class main_ppo would build for this config (verl's, or its odc subclass); __init__ would start Ray
+    trainer = object.__new__(trainer_class(get_trainer_cls("sync"), config))
     trainer.config = config
     trainer.global_steps = 1
     trainer.use_critic = True
@@ -492,18 +479,16 @@ def test_dispatch_sends_each_rank_its_share(ray_local):
     from tensordict import TensorDict
     from verl.single_controller.base.decorator import MAGIC_ATTR
     from verl.single_controller.base.worker_group import WorkerGroup
-    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-    import odc_patches
+    from odc_plugin.verl.workers import ODCActorRolloutRefWorker, ODCTrainingWorker
 
-    odc_patches.apply_all()
     # 4 workers, data-parallel ranks [0, 0, 1, 1] (e.g. 2-way model parallel): workers 0,1 get rank 0's share
     wg = object.__new__(WorkerGroup)
     wg._workers = [None] * 4
     wg._dispatch_info = {"actor": [0, 0, 1, 1], "train": [0, 0, 1, 1]}
     lens = [60, 8, 8, 8, 30, 30, 30, 4]
     settings = lb_mini_settings(_engine_config("odc", odc_cost_model="tokens"), **_DYNAMIC)
-    for method in (ActorRolloutRefWorker.update_actor, TrainingWorker.train_mini_batch):
+    for method in (ODCActorRolloutRefWorker.update_actor, ODCTrainingWorker.train_mini_batch):
         dispatch = getattr(method, MAGIC_ATTR)["dispatch_mode"]["dispatch_fn"]
         batch = _kv_batch(lens, mini_batch_size=4)
         request = PlanRequest(settings, update=True)
@@ -523,7 +508,7 @@ def test_dispatch_sends_each_rank_its_share(ray_local):
 
 
 # ---------------------------------------------------------------------------------------------
-# the patched train_mini_batch on 2 ranks, for real
+# the odc workers' train_mini_batch on 2 ranks, for real
 # ---------------------------------------------------------------------------------------------
 
 SEED, BATCH, MINI = 27, 16, 8  # seed 27: LB-Mini splits all four steps unevenly
@@ -590,6 +575,8 @@ def test_uneven_shares_train_verls_mini_batches_step_for_step(two_ranks):
         torch.testing.assert_close(torch.tensor(odc["actor/pg_loss"]), torch.tensor(stock["actor/pg_loss"]))
         # the engine's own per-rank values survive the fold: one per rank and step
         assert len(odc["odc/micro_batches_max"]) == 2 * 4
+        # the engine runs the micro-batches the plan predicts (LB-Mini packs with verl's functions, as it does)
+        assert len(res["odc"]["micro_batches"]) == sum(step[rank] for step in plan.micro_batches)
         if "micro_batch_size_per_gpu" in batching:
             size = batching["micro_batch_size_per_gpu"]
             assert max(res["odc"]["micro_batches"]) <= size  # never more than the configured size

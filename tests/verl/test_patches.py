@@ -1,142 +1,175 @@
-"""Every patch in `patches/` applies to the installed verl 0.9.1, and refuses (PatchError) when what it
-replaces is missing or changed, or verl is another version. Checks run in-process on verl's own
-objects; `monkeypatch` puts back whatever a test changes.
+"""Every patch in `patches/` builds on the installed verl 0.9.1 and refuses (PatchError) when what it
+builds on is missing or changed. The patches for odc runs change nothing of verl's: they only extend the
+subclasses odc runs use (odc_patches.odc_subclass), and another verl version fails them in one line; the
+CPU patches replace verl's functions in place and, on another verl version, apply with a warning. Checks
+run in-process on verl's own objects; `monkeypatch` puts back whatever a test changes.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
+import logging
 
 import pytest
 import torch
 import verl
-from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
+from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, dispatch_lazy_compute_data_proto, register
 from verl.utils.metric import Metric
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 import odc_patches
-from odc_patches import PATCHES, PatchError, lb_mini_dispatch, lb_mini_worker
+from odc_patches import PATCHES, PatchError, lb_mini_dispatch, lb_mini_worker, rank_metrics_agree
 
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
+needs_trainer = pytest.mark.skipif(
+    not HAS_TQ,
+    reason="verl's v1 trainer module imports transfer_queue, which is not installed "
+    "(pip install TransferQueue==0.1.10)",
+)
 
 
 def _trainer():
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.trainer.ppo.v1 import get_trainer_cls
 
-    return PPOTrainer
+    return get_trainer_cls("sync")
 
 
 def _dispatch_mode(method):
     return getattr(method, MAGIC_ATTR)["dispatch_mode"]
 
 
-@pytest.fixture
-def stock_verl(monkeypatch):
-    """verl as installed, without this project's patches (restored after the test)."""
+def _verl_state() -> dict:
+    """Every member of verl's classes that the patches for odc runs build on, and the content of the
+    dispatch dicts registered on them."""
+    classes = [ActorRolloutRefWorker, TrainingWorker]
     if HAS_TQ:
-        _trainer()  # imported first: the plugin patches the trainer (and its dispatch) when it is imported
-    current = TrainingWorker.train_mini_batch
-    if getattr(current, "_odc_patched", False):
-        monkeypatch.setattr(TrainingWorker, "train_mini_batch", current._odc_original)
-    for method in (ActorRolloutRefWorker.update_actor, TrainingWorker.train_mini_batch):
-        mode = _dispatch_mode(method)
-        fn = mode["dispatch_fn"]
-        if isinstance(fn, functools.partial) and fn.func is lb_mini_dispatch._lb_mini_dispatch:
-            monkeypatch.setitem(mode, "dispatch_fn", fn.args[1])
-    if HAS_TQ:
-        trainer = _trainer()
-        for name, _ in lb_mini_dispatch._STAGES:
-            fn = getattr(trainer, name)
-            if getattr(fn, "_odc_patched", False):
-                monkeypatch.setattr(trainer, name, fn.__wrapped__)
-    post = TrainingWorker._postprocess_output
-    if getattr(post, "_odc_patched", False):
-        monkeypatch.setattr(TrainingWorker, "_postprocess_output", post.__wrapped__)
-    return monkeypatch
+        from verl.trainer.ppo.v1 import PPOTrainer, PPOTrainerColocateAsync, PPOTrainerSync
 
-
-def _patched_state():
-    state = {
-        "train_mini_batch": getattr(TrainingWorker.train_mini_batch, "_odc_patched", False),
-        "postprocess": getattr(TrainingWorker._postprocess_output, "_odc_patched", False),
-        "dispatch": [
-            getattr(_dispatch_mode(m)["dispatch_fn"], "func", None) is lb_mini_dispatch._lb_mini_dispatch
-            for m in (ActorRolloutRefWorker.update_actor, TrainingWorker.train_mini_batch)
-        ],
-    }
-    if HAS_TQ:
-        trainer = _trainer()
-        state["trainer"] = [
-            getattr(getattr(trainer, n, None), "_odc_patched", False) for n, _ in lb_mini_dispatch._STAGES
-        ]
+        classes += [PPOTrainer, PPOTrainerSync, PPOTrainerColocateAsync]
+    state = {}
+    for cls in classes:
+        for name, value in vars(cls).items():
+            state[cls.__qualname__, name] = value
+            mode = (getattr(value, MAGIC_ATTR, None) or {}).get("dispatch_mode")
+            if isinstance(mode, dict):
+                state[cls.__qualname__, name, "dispatch"] = dict(mode)
     return state
+
+
+def _same(a: dict, b: dict) -> list:
+    return [k for k in a.keys() | b.keys() if k not in a or k not in b or not (a[k] is b[k] or a[k] == b[k])]
 
 
 def test_patch_list():
     assert PATCHES == ("lb_mini_worker", "lb_mini_dispatch", "rank_metrics_agree")
     for name in PATCHES:
-        assert getattr(odc_patches, name).VERL_VERSION == verl.__version__ == "0.9.1"
+        patch = importlib.import_module(f"odc_patches.{name}")
+        assert patch.VERL_VERSION == verl.__version__ == odc_patches.PATCHED_VERL_VERSION == "0.9.1"
+        assert callable(patch.extend) and not hasattr(patch, "apply")  # they extend subclasses, never verl
 
 
-def test_patches_apply_to_stock_verl(stock_verl):
-    assert not any(v if isinstance(v, bool) else any(v) for v in _patched_state().values())
-    assert odc_patches.apply_all() == list(PATCHES)
-    state = _patched_state()
-    assert state["train_mini_batch"] and all(state["dispatch"]) and state["postprocess"]
-    if HAS_TQ:
-        assert all(state["trainer"]) and lb_mini_dispatch.TRAINER_SKIPPED is None
-    # the patched method is still a registered worker method with verl's dispatch dict
-    attrs = getattr(TrainingWorker.train_mini_batch, MAGIC_ATTR)
-    assert attrs["dispatch_mode"] is _dispatch_mode(TrainingWorker.train_mini_batch._odc_original)
-    assert attrs["blocking"] is False
-    # applying again (the plugin imported twice) changes nothing
-    before = (TrainingWorker.train_mini_batch, dict(_dispatch_mode(ActorRolloutRefWorker.update_actor)))
-    odc_patches.apply_all()
-    assert before == (TrainingWorker.train_mini_batch, dict(_dispatch_mode(ActorRolloutRefWorker.update_actor)))
+def test_odc_subclasses_extend_verl_and_change_nothing_of_it():
+    before = _verl_state()
+    training = odc_patches.odc_subclass("training_worker", TrainingWorker, "T", __name__)
+    actor = odc_patches.odc_subclass("actor_worker", ActorRolloutRefWorker, "A", __name__, actor_worker_cls=training)
+    assert not _same(before, _verl_state())
+    # the worker methods are verl's, registered again with the plan's dispatch in front of verl's
+    for cls, method, mesh in (
+        (actor, "update_actor", "actor"),
+        (actor, "compute_log_prob", "actor"),
+        (actor, "compute_ref_log_prob", "ref"),
+        (training, "train_mini_batch", "train"),
+        (training, "infer_batch", "train"),
+    ):
+        dispatch = _dispatch_mode(getattr(cls, method))["dispatch_fn"]
+        assert dispatch.func is lb_mini_dispatch._lb_mini_dispatch and dispatch.args[0] == mesh
+        assert dispatch.args[1].func is dispatch_lazy_compute_data_proto and dispatch.args[1].args == (mesh,)
+        assert (
+            _dispatch_mode(getattr(cls, method))["collect_fn"]
+            is _dispatch_mode(getattr(cls.__base__, method))["collect_fn"]
+        )
+    assert vars(actor)["compute_log_prob"].__wrapped__ is ActorRolloutRefWorker.compute_log_prob
+    # train_mini_batch runs the plan's steps, over verl's undecorated method
+    assert inspect.unwrap(training.train_mini_batch) is inspect.unwrap(TrainingWorker.train_mini_batch)
+    assert vars(training)["train_mini_batch"].__wrapped__ is not TrainingWorker.train_mini_batch
+    assert training._postprocess_output.__wrapped__ is TrainingWorker._postprocess_output
+    assert actor.actor_worker_cls is training and actor.__mro__[1] is ActorRolloutRefWorker
+    # the classes odc runs use are built the same way, and are importable by name (Ray sends them so)
+    from odc_plugin.verl import workers
+
+    assert workers.ODCActorRolloutRefWorker.actor_worker_cls is workers.ODCTrainingWorker
+    assert workers.ODCActorRolloutRefWorker.ref_worker_cls is workers.ODCTrainingWorker
+    import cloudpickle
+
+    assert b"odc_plugin.verl.workers" in cloudpickle.dumps(workers.ODCTrainingWorker)
+    assert len(cloudpickle.dumps(workers.ODCTrainingWorker)) < 200  # a reference, not the class by value
+    assert not _same(before, _verl_state())
+
+
+@needs_trainer
+def test_the_odc_trainer_extends_verls_trainer_and_changes_nothing_of_it():
+    before = _verl_state()
+    trainer = odc_patches.odc_subclass("trainer", _trainer(), "T", __name__)
+    assert not _same(before, _verl_state())
+    for method, _ in lb_mini_dispatch._STAGES:
+        assert vars(trainer)[method].__wrapped__ is getattr(_trainer(), method)
+    assert vars(trainer)["init"].__wrapped__ is _trainer().init
 
 
 @pytest.mark.parametrize("name", PATCHES)
-def test_other_verl_version_is_refused(stock_verl, name):
-    stock_verl.setattr(verl, "__version__", "0.9.2")
-    with pytest.raises(PatchError, match="targets verl 0.9.1, but verl 0.9.2"):
-        getattr(odc_patches, name).apply()
-    with pytest.raises(PatchError, match="0.9.2"):
-        odc_patches.apply_all()
+def test_other_verl_version_is_refused(monkeypatch, name):
+    monkeypatch.setattr(verl, "__version__", "0.9.2")
+    kind, base = {"lb_mini_dispatch": ("actor_worker", ActorRolloutRefWorker)}.get(
+        name, ("training_worker", TrainingWorker)
+    )
+    members = {}
+    with pytest.raises(PatchError, match=f"^odc patch '{name}' targets verl 0.9.1, but verl 0.9.2 is installed$"):
+        importlib.import_module(f"odc_patches.{name}").extend(kind, base, members)
+    assert not members  # a refusal adds nothing
+    with pytest.raises(PatchError) as refused:
+        odc_patches.odc_subclass("training_worker", TrainingWorker, "T", __name__)
+    line = str(refused.value)
+    assert "\n" not in line and "verl 0.9.1" in line and "verl 0.9.2 is installed" in line
 
 
 # ---------------------------------------------------------------------------------------------
-# lb_mini_worker: TrainingWorker.train_mini_batch
+# lb_mini_worker, rank_metrics_agree: TrainingWorker
 # ---------------------------------------------------------------------------------------------
 
 
-def test_rank_metrics_patch_refuses_a_changed_postprocess(stock_verl):
-    from odc_patches import rank_metrics_agree
+def _extend(patch, base=TrainingWorker, kind="training_worker"):
+    members = {}
+    patch.extend(kind, base, members)
+    return members
 
+
+def test_rank_metrics_patch_refuses_a_changed_postprocess(monkeypatch):
     def _postprocess_output(self, output, *, global_token_num, delta_time, forward_only, images_seqlens):
         return {"metrics": {}}  # a rewrite that no longer takes per-rank readings
 
-    stock_verl.setattr(TrainingWorker, "_postprocess_output", _postprocess_output)
+    monkeypatch.setattr(TrainingWorker, "_postprocess_output", _postprocess_output)
     with pytest.raises(PatchError, match="no longer reports"):
-        rank_metrics_agree.apply()
-    stock_verl.setattr(TrainingWorker, "_postprocess_output", lambda self, output, **kwargs: None)
+        _extend(rank_metrics_agree)
+    monkeypatch.setattr(TrainingWorker, "_postprocess_output", lambda self, output, **kwargs: None)
     with pytest.raises(PatchError, match=r"_postprocess_output\(self, output, kwargs\) is not"):
-        rank_metrics_agree.apply()
+        _extend(rank_metrics_agree)
 
 
-def test_worker_patch_refuses_missing_method(stock_verl):
-    stock_verl.delattr(TrainingWorker, "train_mini_batch")
+def test_worker_patch_refuses_missing_method(monkeypatch):
+    monkeypatch.delattr(TrainingWorker, "train_mini_batch")
     with pytest.raises(PatchError, match="train_mini_batch is gone"):
-        lb_mini_worker.apply()
+        _extend(lb_mini_worker)
 
 
-def test_worker_patch_refuses_unregistered_method(stock_verl):
-    stock_verl.setattr(TrainingWorker, "train_mini_batch", lambda self, data: None)
+def test_worker_patch_refuses_unregistered_method(monkeypatch):
+    monkeypatch.setattr(TrainingWorker, "train_mini_batch", lambda self, data: None)
     with pytest.raises(PatchError, match="no longer registered"):
-        lb_mini_worker.apply()
+        _extend(lb_mini_worker)
 
 
-def test_worker_patch_refuses_rewritten_method(stock_verl):
+def test_worker_patch_refuses_rewritten_method(monkeypatch):
     dispatch = _dispatch_mode(TrainingWorker.train_mini_batch)
 
     class TrainingWorker_:  # same qualname as verl's, new body
@@ -144,14 +177,14 @@ def test_worker_patch_refuses_rewritten_method(stock_verl):
             return self.train_batch(data)
 
     TrainingWorker_.train_mini_batch.__qualname__ = "TrainingWorker.train_mini_batch"
-    stock_verl.setattr(
+    monkeypatch.setattr(
         TrainingWorker, "train_mini_batch", register(dispatch_mode=dispatch)(TrainingWorker_.train_mini_batch)
     )
     with pytest.raises(PatchError, match="no longer uses"):
-        lb_mini_worker.apply()
+        _extend(lb_mini_worker)
 
 
-def test_worker_patch_refuses_other_mini_batches(stock_verl):
+def test_worker_patch_refuses_other_mini_batches(monkeypatch):
     """A train_mini_batch that still uses every name the patch relies on but forms its mini-batches
     otherwise (every rank shuffled alike): the driver's plans would train other samples than verl."""
     from verl.utils import tensordict_utils as tu
@@ -172,14 +205,14 @@ def test_worker_patch_refuses_other_mini_batches(stock_verl):
             return Metric.aggregate_dp(outputs)
 
     TrainingWorker_.train_mini_batch.__qualname__ = "TrainingWorker.train_mini_batch"
-    stock_verl.setattr(
+    monkeypatch.setattr(
         TrainingWorker, "train_mini_batch", register(dispatch_mode=dispatch)(TrainingWorker_.train_mini_batch)
     )
     with pytest.raises(PatchError, match="no longer has 'mini_batch_size_per_gpu = batch_size_per_dp"):
-        lb_mini_worker.apply()
+        _extend(lb_mini_worker)
 
 
-def test_worker_patch_refuses_changed_signature(stock_verl):
+def test_worker_patch_refuses_changed_signature(monkeypatch):
     dispatch = _dispatch_mode(TrainingWorker.train_mini_batch)
     original = TrainingWorker.train_mini_batch.__wrapped__.__wrapped__
 
@@ -188,75 +221,140 @@ def test_worker_patch_refuses_changed_signature(stock_verl):
         return original(self, data)
 
     del train_mini_batch.__wrapped__  # a real new signature, not one inspect would follow back to verl's
-    stock_verl.setattr(TrainingWorker, "train_mini_batch", register(dispatch_mode=dispatch)(train_mini_batch))
+    monkeypatch.setattr(TrainingWorker, "train_mini_batch", register(dispatch_mode=dispatch)(train_mini_batch))
     with pytest.raises(PatchError, match=r"is not \(self, data\)"):
-        lb_mini_worker.apply()
+        _extend(lb_mini_worker)
 
 
 # ---------------------------------------------------------------------------------------------
-# lb_mini_dispatch: dispatch of the update calls, PPOTrainer
+# lb_mini_dispatch: the workers' dispatch, the trainer's stages
 # ---------------------------------------------------------------------------------------------
 
 
-def test_dispatch_patch_refuses_other_dispatch_mode(stock_verl):
-    stock_verl.setattr(
+def test_dispatch_patch_refuses_other_dispatch_mode(monkeypatch):
+    monkeypatch.setattr(
         ActorRolloutRefWorker, "update_actor", register(dispatch_mode=Dispatch.ONE_TO_ALL)(lambda self, data: None)
     )
     with pytest.raises(PatchError, match="update_actor is no longer registered with a dispatch dict"):
-        lb_mini_dispatch.apply()
+        _extend(lb_mini_dispatch, ActorRolloutRefWorker, "actor_worker")
 
 
-def test_dispatch_patch_refuses_other_dispatch_function(stock_verl):
-    mode = _dispatch_mode(TrainingWorker.train_mini_batch)
-    stock_verl.setitem(mode, "dispatch_fn", functools.partial(mode["dispatch_fn"].func, "critic"))
-    with pytest.raises(
-        PatchError, match="train_mini_batch is no longer dispatched by dispatch_lazy_compute_data_proto"
-    ):
-        lb_mini_dispatch.apply()
-
-
-needs_trainer = pytest.mark.skipif(
-    not HAS_TQ,
-    reason="verl's v1 trainer module imports transfer_queue, which is "
-    "not installed (pip install TransferQueue==0.1.10)",
-)
+def test_dispatch_patch_refuses_other_dispatch_function(monkeypatch):
+    mode = _dispatch_mode(TrainingWorker.infer_batch)
+    monkeypatch.setitem(mode, "dispatch_fn", functools.partial(mode["dispatch_fn"].func, "critic"))
+    with pytest.raises(PatchError, match="infer_batch is no longer dispatched by dispatch_lazy_compute_data_proto"):
+        _extend(lb_mini_dispatch)
 
 
 @needs_trainer
-def test_trainer_patch_refuses_missing_method(stock_verl):
-    stock_verl.delattr(_trainer(), "_compute_values")
+def test_trainer_patch_refuses_missing_method(monkeypatch):
+    from verl.trainer.ppo.v1 import PPOTrainer
+
+    monkeypatch.delattr(PPOTrainer, "_compute_values")
     with pytest.raises(PatchError, match="_compute_values is gone"):
-        lb_mini_dispatch.apply()
-    # nothing was changed before the check failed
-    assert not any(_patched_state()["dispatch"])
+        _extend(lb_mini_dispatch, _trainer(), "trainer")
 
 
 @needs_trainer
-def test_trainer_patch_refuses_changed_signature(stock_verl):
-    stock_verl.setattr(_trainer(), "_update_critic", lambda self, batch: batch)
-    with pytest.raises(PatchError, match=r"_update_critic\(self, batch\) is no longer"):
-        lb_mini_dispatch.apply()
+def test_trainer_patch_refuses_changed_signature(monkeypatch):
+    monkeypatch.setattr(_trainer(), "_update_critic", lambda self, batch: batch)
+    with pytest.raises(PatchError, match=r"PPOTrainerSync._update_critic\(self, batch\) is no longer"):
+        _extend(lb_mini_dispatch, _trainer(), "trainer")
 
 
 @needs_trainer
-def test_trainer_patch_refuses_rewritten_update(stock_verl):
+def test_trainer_patch_refuses_rewritten_update(monkeypatch):
     def _update_actor(self, batch, metrics):  # no longer calls actor_rollout_wg.update_actor
         return batch
 
-    stock_verl.setattr(_trainer(), "_update_actor", _update_actor)
+    monkeypatch.setattr(_trainer(), "_update_actor", _update_actor)
     with pytest.raises(PatchError, match=r"_update_actor no longer uses \['update_actor'"):
-        lb_mini_dispatch.apply()
+        _extend(lb_mini_dispatch, _trainer(), "trainer")
 
 
-def test_trainer_patch_skipped_without_transfer_queue(stock_verl):
-    stock_verl.setattr(lb_mini_dispatch, "TRAINER_SKIPPED", lb_mini_dispatch.TRAINER_SKIPPED)  # put back after
-    find_spec = importlib.util.find_spec
-    stock_verl.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "transfer_queue" else find_spec(name, *a)
+# ---------------------------------------------------------------------------------------------
+# trainer_choice: verl's trainer class, or its odc subclass, by the run's configuration
+# ---------------------------------------------------------------------------------------------
+
+
+def _config(*overrides):
+    from odc_plugin.verl import ppo_config
+
+    return ppo_config.compose(list(overrides))
+
+
+@pytest.fixture(scope="module")
+def configs():
+    """Configurations as main_ppo composes them: verl's default (fsdp), fsdp2, odc on the actor, odc on
+    the critic of a run that trains one, odc on a critic that a GRPO run does not build."""
+    return {
+        "fsdp": _config(),
+        "fsdp2": _config("actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp2"),
+        "odc": _config("actor_rollout_ref.actor.strategy=odc", "critic.strategy=odc"),
+        "odc critic": _config("algorithm.adv_estimator=gae", "critic.strategy=odc"),
+        "odc critic, none built": _config("algorithm.adv_estimator=grpo", "critic.strategy=odc"),
+    }
+
+
+@needs_trainer
+def test_trainer_choice_gives_verls_own_class_without_odc(configs):
+    from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+
+    from odc_plugin.verl.trainer import trainer_class
+
+    assert vars(PPOTrainer)["__new__"].__func__.__module__ == "odc_patches.trainer_choice"  # the plugin's choice
+    for mode in ("sync", "colocate_async", "separate_async"):
+        for name in ("fsdp", "fsdp2", "odc critic, none built"):
+            assert trainer_class(get_trainer_cls(mode), configs[name]) is get_trainer_cls(mode), (mode, name)
+    # what main_ppo's TaskRunner does, up to verl's own __init__ (which would start Ray)
+    trainer = PPOTrainer.__new__(get_trainer_cls("sync"), config=configs["fsdp2"])
+    assert type(trainer) is get_trainer_cls("sync") and not vars(trainer)
+
+
+@needs_trainer
+def test_trainer_choice_gives_the_odc_subclass_for_odc(configs):
+    from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+
+    from odc_plugin.verl.trainer import trainer_class
+
+    for mode in ("sync", "colocate_async"):
+        for name in ("odc", "odc critic"):
+            cls = trainer_class(get_trainer_cls(mode), configs[name])
+            assert cls.__mro__[2] is get_trainer_cls(mode) and cls is trainer_class(cls, configs[name])
+        assert type(PPOTrainer.__new__(get_trainer_cls(mode), config=configs["odc"])) is cls
+
+
+@needs_trainer
+def test_trainer_choice_refuses_separate_async_and_others_trainers_in_one_line(configs):
+    from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+
+    with pytest.raises(ValueError) as refused:
+        PPOTrainer.__new__(get_trainer_cls("separate_async"), config=configs["odc"])
+    assert str(refused.value) == (
+        "odc: trainer.v1.trainer_mode=separate_async is not supported with strategy=odc (its DetachActorWorker "
+        "saves and restores the actor's weights for fsdp, fsdp2, veomni and megatron only); use "
+        "trainer.v1.trainer_mode=sync or colocate_async, or strategy=fsdp2"
     )
-    lb_mini_dispatch.apply()
-    assert "TransferQueue" in lb_mini_dispatch.TRAINER_SKIPPED
-    assert all(_patched_state()["dispatch"])
+
+    class MyTrainer(get_trainer_cls("sync")):
+        pass
+
+    with pytest.raises(ValueError, match=r"^odc: the trainer .*MyTrainer is not supported with strategy=odc"):
+        PPOTrainer.__new__(MyTrainer, config=configs["odc"])
+
+
+@needs_trainer
+def test_trainer_choice_on_another_verl_version_fails_odc_only(monkeypatch, configs):
+    from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+
+    monkeypatch.setattr(verl, "__version__", "0.9.2")
+    assert type(PPOTrainer.__new__(get_trainer_cls("sync"), config=configs["fsdp2"])) is get_trainer_cls("sync")
+    with pytest.raises(PatchError) as refused:
+        PPOTrainer.__new__(get_trainer_cls("sync"), config=configs["odc"])
+    assert str(refused.value) == (
+        "strategy=odc needs verl 0.9.1, the version odc-verl's patches of verl were written for, but verl 0.9.2 "
+        "is installed; install verl==0.9.1 for odc runs (runs of other strategies do not use the patches)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,9 +417,10 @@ def test_cpu_patch_list():
         "cpu_layer_time",
         "cpu_ulysses_sdpa",
         "cpu_batch_order",
+        "cpu_replay_poll",
     )
     for name in CPU_PATCHES:
-        patch = getattr(odc_patches, name)
+        patch = importlib.import_module(f"odc_patches.{name}")
         assert patch.VERL_VERSION == "0.9.1"
         assert importlib.util.find_spec(patch.TARGET) is not None, patch.TARGET
     for name, (module, _) in CPU_REPLACED.items():
@@ -372,11 +471,20 @@ def test_cpu_patches_apply_to_stock_verl(stock_cpu, tmp_path):
     assert replaced == {name: getattr(importlib.import_module(m), a) for name, (m, a) in CPU_REPLACED.items()}
 
 
-@pytest.mark.parametrize("name", CPU_PATCHES)
-def test_cpu_patch_refuses_other_verl_version(stock_cpu, name):
-    stock_cpu.setattr(verl, "__version__", "0.9.2")
+def test_cpu_patches_warn_on_other_verl_version(monkeypatch, caplog):
+    """CPU mode serves fsdp2 runs too, which another verl version must not fail: its patches apply where
+    their own checks of verl pass, after one warning per process (an odc patch refuses)."""
+    monkeypatch.setattr(verl, "__version__", "0.9.2")
+    monkeypatch.setattr(odc_patches, "_warned_versions", set())
+    with caplog.at_level(logging.WARNING, logger="odc_patches"):
+        for name in CPU_PATCHES:
+            odc_patches.require_verl_version(name, importlib.import_module(f"odc_patches.{name}").VERL_VERSION)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"odc patch '{CPU_PATCHES[0]}' targets verl 0.9.1, but verl 0.9.2 is installed; the CPU patches apply "
+        f"where their checks of verl pass (VERL_PLATFORM=cpu)"
+    ]
     with pytest.raises(PatchError, match="targets verl 0.9.1, but verl 0.9.2"):
-        getattr(odc_patches, name).apply()
+        odc_patches.require_verl_version(PATCHES[0])
 
 
 def test_cpu_patches_refuse_changed_targets(stock_cpu):

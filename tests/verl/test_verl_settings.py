@@ -1,9 +1,10 @@
 """verl's own configurations under `strategy=odc`: the settings of verl's GRPO and PPO example scripts
-(examples/grpo_trainer/, examples/ppo_trainer/ in verl's repository), each trained by verl's real trainer
-(`main_ppo`, 2 CPU ranks, 3 steps) under fsdp2 and under odc from the same weights on the same rollouts,
-and compared step by step: the same rewards and lengths, and the actor's (and critic's) gradient norm,
-policy loss, entropy, KL loss and value loss to the golden metrics' tolerance. A setting odc cannot train
-as fsdp2 does is refused by odc with a one-line error instead, and that is a row here too.
+(examples/grpo_trainer/, examples/ppo_trainer/ in verl's repository) and policy losses of verl's registry,
+each trained by verl's real trainer (`main_ppo`, 2 CPU ranks, 3 steps) under fsdp2 and under odc from the
+same weights on the same rollouts, and compared step by step: the same rewards and lengths, and the actor's
+(and critic's) gradient norm, policy loss, entropy, KL loss and value loss to the golden metrics' tolerance.
+A setting odc cannot train as fsdp2 does is refused by odc at start with a one-line error instead (the loss
+probe's, odc_plugin/verl/loss_probe.py), and that is a row here too.
 
 Settings that do not interact share a row, to keep the CI budget: about 1.5 minutes a row. Each row's
 worst relative difference is written to `verl_settings.md` in the run's temporary directory (printed
@@ -16,10 +17,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from odc_plugin.verl import ppo_config
 from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
+from odc_plugin.verl.dispatch import check_losses
 from tests.verl import golden
-from tests.verl.trainer_runs import relative_difference, train
+from tests.verl.trainer_runs import RANKS, relative_difference, train
 
 STEPS = 3
 ACTOR = "actor_rollout_ref.actor"
@@ -43,7 +46,8 @@ class Setting:
     overrides: tuple[str, ...]
     slow_ranks: str | None = None
     uneven: bool = False  # LB-Mini must have given the ranks different shares in some step
-    refused: str | None = None  # odc's one-line error: the row does not train under odc
+    refused: bool = False  # odc refuses the row at start, with the line its loss probe gives
+    odc_run: str = "odc"  # the run compared with fsdp2 (grpo.RUNS): odc, or odc with its options
 
 
 SETTINGS = (
@@ -56,8 +60,10 @@ SETTINGS = (
         uneven=True,
     ),
     Setting(
-        "2 epochs, shuffled; entropy_coeff 0.01; clip ratios 0.1 / 0.15; seq-mean-token-mean; 2 mini-batches",
+        "2 epochs, shuffled; entropy_coeff 0.01; clip ratios 0.1 / 0.15; GSPO (policy_loss.loss_mode=gspo) with "
+        "seq-mean-token-mean; 2 mini-batches",
         (
+            f"{ACTOR}.policy_loss.loss_mode=gspo",
             f"{ACTOR}.ppo_mini_batch_size=4",
             f"{ACTOR}.ppo_epochs=2",
             f"{ACTOR}.shuffle=True",
@@ -82,8 +88,10 @@ SETTINGS = (
         ),
     ),
     Setting(
-        "FSDP2's own CPU offload (offload_policy); seq-mean-token-sum; 2 mini-batches",
+        "FSDP2's own CPU offload (offload_policy); CISPO (policy_loss.loss_mode=cispo) with seq-mean-token-sum; "
+        "2 mini-batches",
         (
+            f"{ACTOR}.policy_loss.loss_mode=cispo",
             f"{ACTOR}.fsdp_config.offload_policy=True",
             f"{ACTOR}.loss_agg_mode=seq-mean-token-sum",
             f"{ACTOR}.ppo_mini_batch_size=4",
@@ -105,16 +113,32 @@ SETTINGS = (
         ),
     ),
     Setting(
+        "GMPO (policy_loss.loss_mode=geo_mean: a mean over the micro-batch's sequences) with odc_balancer=lb_micro "
+        "and fixed micro-batch sizes, which pack as fsdp2 does; 2 mini-batches",
+        # 2 mini-batches: on the first, GMPO's loss is 0 but for rounding (whole GRPO groups, on-policy ratios)
+        (f"{ACTOR}.policy_loss.loss_mode=geo_mean", *golden.FIXED_MICRO_BATCHES, f"{ACTOR}.ppo_mini_batch_size=4"),
+        odc_run="odc_lb_micro",
+    ),
+    Setting(
         "seq-mean-token-sum-norm without loss_scale_factor (each micro-batch's loss over its own padded length)",
         (f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm",),
-        refused=(
-            "odc: actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm without "
-            "actor_rollout_ref.actor.loss_scale_factor divides each micro-batch's loss by its own padded length, "
-            "which differs under strategy=odc; set actor_rollout_ref.actor.loss_scale_factor "
-            "(e.g. to data.max_response_length)"
-        ),
+        refused=True,
+    ),
+    Setting(
+        "GMPO (policy_loss.loss_mode=geo_mean) with LB-Mini's packing",
+        (f"{ACTOR}.policy_loss.loss_mode=geo_mean",),
+        refused=True,
     ),
 )
+
+
+def _refusal(assets, out, overrides) -> str:
+    """The line odc refuses a run of `overrides` with: the loss probe's, on the run's own configuration,
+    through the entry the trainer calls at start (odc_plugin.verl.dispatch.check_losses)."""
+    args = grpo.run_args(grpo.settings(assets, RANKS, 1, str(out)), "odc", list(overrides), str(out / "probe.jsonl"))
+    with pytest.raises(ValueError) as refused:
+        check_losses(ppo_config.compose(args))
+    return str(refused.value)
 
 
 @pytest.fixture(scope="module")
@@ -157,19 +181,23 @@ def _worst_difference(fsdp2: dict[int, dict], odc: dict[int, dict]) -> tuple[flo
 def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_factory, table):
     out = tmp_path_factory.mktemp("setting")
     if setting.refused:
+        message = _refusal(assets, out, setting.overrides)
         run = train(out, assets, "odc", "odc", 1, setting.overrides)
         assert run.result.returncode != 0 and not run.metrics
-        assert grpo.last_error(run.result.log_file).endswith(setting.refused)
+        assert grpo.last_error(run.result.log_file).endswith(message)
+        # refused at start: before any worker built an engine
+        assert "odc: ODCEngine" not in run.log()
         assert not grpo.ray_processes(run.result.ray_dir)
-        table.append(f"| {setting.name} | | `{setting.refused}` |")
+        table.append(f"| {setting.name} | | `{message}` |")
         return
     runs = {
-        s: train(out, assets, s, s, STEPS, setting.overrides, slow_ranks=setting.slow_ranks) for s in ("fsdp2", "odc")
+        s: train(out, assets, s, s, STEPS, setting.overrides, slow_ranks=setting.slow_ranks)
+        for s in ("fsdp2", setting.odc_run)
     }
     for run in runs.values():
         run.assert_ok(STEPS)
-    worst, where = _worst_difference(runs["fsdp2"].metrics, runs["odc"].metrics)
-    odc = runs["odc"].metrics
+    worst, where = _worst_difference(runs["fsdp2"].metrics, runs[setting.odc_run].metrics)
+    odc = runs[setting.odc_run].metrics
     if setting.uneven:
         uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] < m["odc_balance/samples_max"]]
         assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}

@@ -1,0 +1,107 @@
+"""The trainer a verl run gets: verl's own class, unless the run's configuration puts a role on odc.
+
+verl builds its v1 trainer from `trainer.v1.trainer_mode` (`patches/trainer_choice.py` asks
+`trainer_class` for the class to build). A configuration whose roles are all on other strategies gets
+verl's class itself, so the run executes verl's own trainer, workers and dispatch. One with
+`strategy=odc` on the actor, the reference model or the critic gets the class's odc subclass
+(`odc_trainer_class`), which
+
+- plans every FSDP pass of its odc roles with LB-Mini: the actor's update and old log-probs, the
+  reference log-probs, the critic's update and values (the stage methods of `patches/lb_mini_dispatch.py`);
+- builds its workers from odc subclasses of verl's (`workers.py`), through the worker classes verl's
+  trainer maps its roles to (`role_worker_mapping`, as verl's own separate_async trainer swaps in its
+  DetachActorWorker) and the inner training worker class of verl's ActorRolloutRefWorker
+  (`actor_worker_cls`, `ref_worker_cls`).
+
+Trainer modes: `sync` and `colocate_async` train under odc as under fsdp2 (neither overrides a stage
+method, so every FSDP pass is planned). `separate_async` is refused in one line: it trains with verl's
+DetachActorWorker, which saves and restores the actor's weights for fsdp, fsdp2, veomni and megatron
+only. A trainer registered by someone else is refused too: its methods were not checked against the
+plan.
+"""
+
+from __future__ import annotations
+
+import functools
+
+# The strategy keys of the roles, and which worker kind each role's odc engine runs in.
+ACTOR_SIDE_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy")
+CRITIC_KEY = "critic.strategy"
+# verl's trainer modes under odc, and why a mode is refused
+SUPPORTED_MODES = ("sync", "colocate_async")
+REFUSED_MODES = {
+    "separate_async": "its DetachActorWorker saves and restores the actor's weights for fsdp, fsdp2, veomni and "
+    "megatron only",
+}
+
+
+def _strategy(config, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, key, default=None)
+
+
+def odc_sides(config) -> tuple[bool, bool]:
+    """(actor or reference model on odc, critic on odc and trained) for a run's configuration."""
+    from verl.trainer.ppo.utils import need_critic
+
+    actor_side = any(_strategy(config, key) == "odc" for key in ACTOR_SIDE_KEYS)
+    critic = _strategy(config, CRITIC_KEY) == "odc" and need_critic(config)
+    return actor_side, critic
+
+
+def trainer_class(cls: type, config) -> type:
+    """The class of a run's trainer: `cls` (verl's class for the run's mode) without odc, else its odc
+    subclass (a ValueError or PatchError in one line if odc cannot train with it)."""
+    if getattr(cls, "_odc_trainer", False) or not any(odc_sides(config)):
+        return cls
+    return odc_trainer_class(cls)
+
+
+def odc_trainer_class(cls: type) -> type:
+    """The odc subclass of verl's trainer class `cls`, for a run with odc roles."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    import odc_patches
+
+    odc_patches.require_odc_verl()
+    mode = next((m for m in (*SUPPORTED_MODES, *REFUSED_MODES) if get_trainer_cls(m) is cls), None)
+    if mode in REFUSED_MODES:
+        raise ValueError(
+            f"odc: trainer.v1.trainer_mode={mode} is not supported with strategy=odc ({REFUSED_MODES[mode]}); "
+            f"use trainer.v1.trainer_mode={' or '.join(SUPPORTED_MODES)}, or strategy=fsdp2"
+        )
+    if mode is None:
+        raise ValueError(
+            f"odc: the trainer {cls.__module__}.{cls.__qualname__} is not supported with strategy=odc, which "
+            f"plans verl's own trainers of trainer.v1.trainer_mode={' and '.join(SUPPORTED_MODES)} only"
+        )
+    return _subclass(cls)
+
+
+@functools.cache
+def _subclass(cls: type) -> type:
+    import odc_patches
+
+    return odc_patches.odc_subclass("trainer", cls, f"ODC{cls.__name__}", __name__, mixins=(_ODCWorkers,))
+
+
+class _ODCWorkers:
+    """The odc trainer's roles on odc get their workers from the odc subclasses of verl's worker classes."""
+
+    _odc_trainer = True
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        import ray
+        from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+        from . import workers
+
+        actor_side, critic = odc_sides(self.config)
+        for role, remote in list(self.role_worker_mapping.items()):
+            cls = getattr(remote, "__ray_actor_class__", None)
+            if actor_side and cls is ActorRolloutRefWorker:
+                self.role_worker_mapping[role] = ray.remote(workers.ODCActorRolloutRefWorker)
+            elif critic and cls is TrainingWorker:
+                self.role_worker_mapping[role] = ray.remote(workers.ODCTrainingWorker)
