@@ -4,8 +4,10 @@ A transport connects the ranks of one process group. Each rank owns one slice of
 region* (the same size on every rank); any rank may read a peer's slice (`get`) or add into it
 (`accumulate`) without the peer taking part. The only meeting point is `barrier`, once per mini-batch.
 
-Set-up (`alloc`) is collective and runs outside mini-batches; `get`, `accumulate` and `barrier` never
-call a collective on the process group, which is what lets ranks drift apart between barriers.
+Set-up (`alloc`) and release (`free`) are collective and run outside mini-batches; `get`, `accumulate`
+and `barrier` never call a collective on the process group, which is what lets ranks drift apart between
+barriers. A transport holds, from start to `close`, only its *control words* (arrival flags, doorbells,
+failure notices: `control_bytes`, a few KiB); everything else it holds belongs to regions, freed with them.
 
 Failures. A rank whose work fails posts a failure notice in its own slice of a region every transport
 sets up (`announce_failure`); every wait of its peers reads the notices and raises ODCPeerFailedError
@@ -96,14 +98,49 @@ class Transport(abc.ABC):
         self._round = 0  # failed rounds recovered from: the same on every rank between recoveries
         self._epoch = 0  # the last barrier's
         self._recovering = False
+        self._control: list[Region] = []  # the regions the transport itself holds until close
+        self._control_names: set[str] = set()  # theirs, known to `alloc` while it allocates one
+
+    def _alloc_control(self, name: str, numel: int, dtype: torch.dtype) -> Region:
+        """Collective, during set-up: a region of the transport's own control words, held until `close`."""
+        self._control_names.add(name)
+        region = self.alloc(name, numel, dtype)
+        self._control.append(region)
+        return region
 
     def _alloc_failure_notices(self) -> None:
         """Collective, at the end of every transport's set-up: the two failure notices of each rank."""
-        self._notices = self.alloc("odc.failure", 2 * NOTICE_WORDS, torch.int64)
+        self._notices = self._alloc_control("odc.failure", 2 * NOTICE_WORDS, torch.int64)
 
     @abc.abstractmethod
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         """Collective: every rank allocates `numel` zeroed elements that all peers can reach."""
+
+    @abc.abstractmethod
+    def free(self, name: str) -> None:
+        """Collective: every rank releases its slice of region `name` and its mappings of the peers' slices,
+        so that the memory returns to the system once every rank has freed it. Every rank frees the same
+        regions in the same order, with no get or accumulate of them in flight (after a barrier), and only
+        once every tensor viewing the region, its Region's `local` included, is gone (by name, so that the
+        caller can drop its Region first). The name may then be allocated again."""
+
+    @abc.abstractmethod
+    def region_bytes(self, region: Region) -> int:
+        """Bytes this rank's slice of `region` takes, as the transport allocated it."""
+
+    @abc.abstractmethod
+    def control_bytes(self) -> int:
+        """Bytes of this rank's control words: what the transport holds from start to `close`, whatever
+        regions exist."""
+
+    @abc.abstractmethod
+    def staging_bytes(self) -> int:
+        """Bytes of this rank's staging buffers (0 for a transport that needs none), held while any region
+        other than the control words exists."""
+
+    @abc.abstractmethod
+    def mapped_bytes(self) -> int:
+        """Bytes of the peers' slices, every region's, that this rank maps."""
 
     @abc.abstractmethod
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:

@@ -21,11 +21,20 @@ Ordering, and why it holds without luck:
 - failure notices (base.py) are a region like any other: a rank posts its own with a local store
   after a device synchronize, peers read them with `get` in their waits.
 
+Memory. Each region is allocated in a private memory pool of its own, in a segment cudaMalloc made:
+torch shares expandable segments only through pidfd_getfd, which unprivileged containers refuse, and
+verl turns expandable segments on after each weight sync, so when the allocation lands in one it is made
+again with them off for that allocation alone. Each peer gets its own export of the region (torch counts
+the processes still mapping an export, and frees the memory once all of them let go); `free` drops
+every mapping, meets the peers, then drops the region, so its block is freed at once and its pool's
+segment goes back to the device at the next `torch.cuda.empty_cache()` (verl's, after it offloads).
+
 Needs: Triton (the `gpu` extra), every rank on one node, peer access between the GPUs, with native P2P
 atomics (NVLink) when ranks are on different GPUs, and no expandable_segments in torch's allocator
 (checked when the transport starts: cuda_ipc_setup.py, and peer_atomics.py, which runs the real kernel
-and checks the sums; a peer's GPU need not be visible to a rank's process). Verified only on a GPU machine (tests/comm/test_gpu_cuda_ipc.py, ranks sharing one GPU;
-never across separate GPUs); nothing here runs on CPU.
+and checks the sums; a peer's GPU need not be visible to a rank's process). Verified only on a GPU
+machine (tests/comm/test_gpu_cuda_ipc.py, ranks sharing one GPU; never across separate GPUs); nothing
+here runs on CPU.
 """
 
 from __future__ import annotations
@@ -61,9 +70,11 @@ class CudaIpcTransport(Transport):
         if error:
             raise RuntimeError(error)
         self._own: dict[str, torch.Tensor] = {}
+        self._pools: dict[str, torch.cuda.MemPool] = {}
+        self._bytes: dict[str, int] = {}  # what each region's allocation added to torch.cuda.memory_allocated
         self._peers: dict[str, list[torch.Tensor]] = {}
         self._barrier_stream = torch.cuda.Stream(self.device)
-        self._arrivals = self.alloc(_BARRIER, self.world_size, torch.int64)
+        self._arrivals = self._alloc_control(_BARRIER, self.world_size, torch.int64)
         self._arrivals_host = torch.zeros(self.world_size, dtype=torch.int64, pin_memory=True)
         self._alloc_failure_notices()
         # Adds into another GPU's memory are exact only with native peer atomics: checked, not trusted.
@@ -74,30 +85,55 @@ class CudaIpcTransport(Transport):
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         if name in self._peers:
             raise ValueError(f"region '{name}' is already allocated")
-        own = torch.zeros(max(numel, 1), dtype=dtype, device=self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        own, pool = _shareable_zeros(max(numel, 1), dtype, self.device)
+        nbytes = torch.cuda.memory_allocated(self.device) - before
         # The zeros must be in memory before any peer can write into the region; the collective below
         # only starts once this has returned.
         torch.cuda.synchronize(self.device)
         try:
-            _, args = reduce_tensor(own)
+            # one export per peer: each carries the count that peer's mapping holds (see the module)
+            exports = [None if r == self.rank else reduce_tensor(own)[1] for r in range(self.world_size)]
         except RuntimeError as e:  # a rank that cannot export still takes part, so no peer waits for it
-            args = f"cuda_ipc: rank {self.rank} cannot share its region '{name}' ({first_line(str(e))})"
+            exports = f"cuda_ipc: rank {self.rank} cannot share its region '{name}' ({first_line(str(e))})"
         exported: list = [None] * self.world_size
-        dist.all_gather_object(exported, args, group=self.group)
+        dist.all_gather_object(exported, exports, group=self.group)
         self._raise_first_error(exported)
         peers, error = [], None
         for r in range(self.world_size):
             try:
-                peers.append(own if r == self.rank else self._open(exported[r]))
+                peers.append(own if r == self.rank else self._open(exported[r][self.rank]))
             except RuntimeError as e:
                 error = open_error(self._gpus, self.rank, r, name, str(e))
                 break
         errors: list = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
         self._raise_first_error(errors)
-        self._own[name] = own
+        self._own[name], self._pools[name], self._bytes[name] = own, pool, nbytes
         self._peers[name] = [t[:numel] for t in peers]
         return Region(name, numel, dtype, self._peers[name][self.rank])
+
+    def free(self, name: str) -> None:
+        torch.cuda.synchronize(self.device)  # nothing enqueued may still read or write the region
+        # Dropping the mappings closes the handles, and each drop tells its owner this rank let go.
+        del self._peers[name]
+        dist.barrier(group=self.group)
+        # Every peer has let go: the block is freed now, not parked until a later torch.cuda.ipc_collect().
+        del self._own[name], self._bytes[name]
+        del self._pools[name]  # the pool's segment goes back to the device at the next empty_cache()
+
+    def region_bytes(self, region: Region) -> int:
+        return self._bytes[region.name]
+
+    def control_bytes(self) -> int:
+        return sum(self.region_bytes(r) for r in self._control)
+
+    def staging_bytes(self) -> int:
+        return 0
+
+    def mapped_bytes(self) -> int:
+        # each peer's slice was allocated as this rank's was, so it takes as many bytes
+        return (self.world_size - 1) * sum(self._bytes.values())
 
     @staticmethod
     def _raise_first_error(gathered: list) -> None:
@@ -168,3 +204,29 @@ class CudaIpcTransport(Transport):
         # Dropping the mappings closes the IPC handles (torch counts them for the exporting process).
         self._peers.clear()
         self._own.clear()
+        self._pools.clear()
+        self._bytes.clear()
+
+
+def _shareable_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.cuda.MemPool]:
+    """`numel` zeros that CUDA IPC can share, in a private pool of their own (freeing them frees the pool's
+    whole segment): in a segment cudaMalloc made, not an expandable one. torch 2.11 cannot say whether
+    expandable segments are on, and its private pools use them too; so the tensor is allocated, and if it
+    landed in an expandable segment (they were on), allocated again with them off for that one allocation."""
+    for attempt in range(2):
+        pool = torch.cuda.MemPool()
+        if attempt:
+            torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        try:
+            with torch.cuda.use_mem_pool(pool, device):
+                zeros = torch.zeros(numel, dtype=dtype, device=device)
+        finally:
+            if attempt:
+                torch._C._accelerator_setAllocatorSettings("expandable_segments:True")  # on, as they were
+        if not any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot(pool.id)):
+            return zeros, pool
+        del zeros
+    raise RuntimeError(
+        "cuda_ipc: torch put a region in an expandable segment with expandable_segments off; "
+        "this torch version cannot share ODC's regions over CUDA IPC"
+    )

@@ -31,6 +31,11 @@ owner instead:
   `get` (which also folds). The recovery meeting after a failure is a barrier, so it also waits until
   every slot sent in the failed round is folded before any rank resets its accumulator.
 
+The staging (inbox, outbox, get bounce buffer) exists only while a region other than the failure
+notices does: it is allocated with the first such region and freed with the last (`free`, collective like
+nvshmem_free), so a transport whose regions are all released holds only its control words (signals,
+credits, arrivals, the notices, and a small bounce buffer the notices are read through).
+
 The symmetric heap must hold the regions plus the staging: NVSHMEM_SYMMETRIC_SIZE (read by NVSHMEM at
 start-up) must be set before the process starts; `heap_bytes_needed` says how much, and running out is
 reported with that number before NVSHMEM is asked. Everything that needs nvshmem4py, Triton or a GPU is
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import Region, Transport, poll
+from .base import NOTICE_WORDS, Region, Transport, poll
 from .select import flat_nvshmem_error
 
 HEADER_BYTES = 64  # int64 fields: [0] element offset, [1] numel, [2] dtype code, [3] region id
@@ -247,13 +252,13 @@ class NvshmemTransport(Transport):
         self._closed = False
 
         W, K = self.world_size, self.cfg.slots
-        self._stage = self._malloc("the accumulate staging", staging_bytes(W, self.cfg))
+        self._stage: torch.Tensor | None = None  # with the regions (_alloc_staging)
+        self._outbox = self._bounce = None
         self._ctrl = self._malloc("the control words", 8 * control_words(W, self.cfg)).view(torch.int64)
+        self._small_bounce = self._malloc("the control bounce buffer", 8 * NOTICE_WORDS)
         self._SIG, self._CREDIT = 0, W * K
         self._ARRIVE, self._EXPECT, self._COUNT_OUT = W * K + W, W * K + 2 * W, W * K + 3 * W
         self._ctrl_host = torch.zeros(self._ctrl.numel(), dtype=torch.int64, pin_memory=True)
-        self._outbox = self._stage[W * K * self.cfg.slot_bytes : (W * K + 1) * self.cfg.slot_bytes]
-        self._bounce = self._stage[(W * K + 1) * self.cfg.slot_bytes :]
         self._progress_stream = torch.cuda.Stream(self.device)
         self._aux_stream = torch.cuda.Stream(self.device)
         self._last_use: dict[str, torch.cuda.Event] = {}
@@ -278,6 +283,26 @@ class NvshmemTransport(Transport):
         self._bases.append(base)
         base.zero_()
         return base[:nbytes]
+
+    def _free_symmetric(self, t: torch.Tensor) -> None:
+        """Collective (nvshmem_free is): give back what `_malloc` returned as `t`."""
+        index = next(i for i, base in enumerate(self._bases) if base.data_ptr() == t.data_ptr())
+        base = self._bases.pop(index)
+        self._heap_used -= base.numel()
+        self._nv.free_tensor(base)
+
+    def _alloc_staging(self) -> None:
+        W, K, slot = self.world_size, self.cfg.slots, self.cfg.slot_bytes
+        self._stage = self._malloc("the accumulate staging", staging_bytes(W, self.cfg))
+        self._outbox = self._stage[W * K * slot : (W * K + 1) * slot]
+        self._bounce = self._stage[(W * K + 1) * slot :]
+
+    def _free_staging(self) -> None:
+        self._progress_stream.synchronize()
+        stage, self._stage, self._outbox, self._bounce = self._stage, None, None, None
+        for what in ("outbox", "bounce"):
+            self._last_use.pop(what, None)
+        self._free_symmetric(stage)
 
     def _publish_zeroed(self) -> None:
         # nvshmem_malloc does not zero; a peer may put into this memory as soon as it returns from here,
@@ -312,15 +337,46 @@ class NvshmemTransport(Transport):
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         if name in self._regions:
             raise ValueError(f"region '{name}' is already allocated")
+        if self._stage is None and name not in self._control_names:
+            self._alloc_staging()
         base = self._malloc(f"region '{name}'", numel * dtype.itemsize)
         self._publish_zeroed()
         self._regions[name] = base
         if dtype == torch.float32:
-            self._progress_stream.synchronize()  # no fold may still read the table being replaced
             self._acc_ids[name] = len(self._acc_ids)
-            ptrs = [self._regions[n].data_ptr() for n in self._acc_ids]
-            self._acc_table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+            self._refresh_acc_table()
         return Region(name, numel, dtype, base.view(dtype)[:numel])
+
+    def _refresh_acc_table(self) -> None:
+        self._progress_stream.synchronize()  # no fold may still read the table being replaced
+        ptrs = [self._regions[n].data_ptr() for n in self._acc_ids]
+        self._acc_table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+
+    def free(self, name: str) -> None:
+        torch.cuda.synchronize(self.device)
+        base = self._regions.pop(name)
+        if name in self._acc_ids:
+            # ids name the fp32 regions in allocation order, alike on every rank (alloc and free are collective)
+            del self._acc_ids[name]
+            self._acc_ids = {n: i for i, n in enumerate(self._acc_ids)}
+            self._refresh_acc_table()
+        self._free_symmetric(base)
+        if self._stage is not None and all(n in self._control_names for n in self._regions):
+            self._free_staging()
+
+    def region_bytes(self, region: Region) -> int:
+        return _aligned(region.numel * region.dtype.itemsize)
+
+    def control_bytes(self) -> int:
+        ctrl = _aligned(self._ctrl.numel() * 8) + _aligned(self._small_bounce.numel())
+        return ctrl + sum(self.region_bytes(r) for r in self._control)
+
+    def staging_bytes(self) -> int:
+        return 0 if self._stage is None else _aligned(self._stage.numel())
+
+    def mapped_bytes(self) -> int:
+        # a peer reaches every symmetric allocation of this rank at the same offset of its heap
+        return (self.world_size - 1) * (self._heap_used - HEAP_RESERVE)
 
     # -- get --------------------------------------------------------------------------------------
 
@@ -336,18 +392,20 @@ class NvshmemTransport(Transport):
         stream = torch.cuda.current_stream(self.device)
         dst = out.view(-1).view(torch.uint8)
         base, start, total = self._regions[region.name], offset * region.dtype.itemsize, dst.numel()
-        step = self._bounce.numel()
+        # the failure notices are read with no staging too (all regions released)
+        bounce = self._bounce if self._bounce is not None else self._small_bounce
+        step = bounce.numel()
         self._claim("bounce", stream)
         for pos in range(0, total, step):
             m = min(step, total - pos)
             # Blocking get on the stream: the bytes are in the bounce buffer when the stream moves on.
             self._nv.get(
-                self._buf(self._bounce, 0, m),
+                self._buf(bounce, 0, m),
                 self._buf(base, start + pos, m),
                 remote_pe=peer,
                 stream=self._stream(stream),
             )
-            dst[pos : pos + m].copy_(self._bounce[:m])
+            dst[pos : pos + m].copy_(bounce[:m])
         self._release("bounce", stream)
 
     # -- accumulate -------------------------------------------------------------------------------
@@ -415,6 +473,8 @@ class NvshmemTransport(Transport):
     def _progress(self) -> list[int]:
         """Fold every slot that arrived, in order per sender, and hand the slots back. Returns the snapshot."""
         snap = self._snapshot()
+        if self._stage is None:
+            return snap  # nothing can arrive: peers send only while the regions, and so the staging, exist
         K, ps = self.cfg.slots, self._progress_stream
         for s in range(self.world_size):
             q = start = self._folded[s]

@@ -50,7 +50,7 @@ def _pattern(numel: int, device) -> torch.Tensor:
 def run_probe(transport: Transport) -> list[Mismatch]:
     """Collective: every rank adds the pattern into every rank's probe region with `transport.accumulate`,
     meets the others at a barrier, and checks its own region. Returns this rank's mismatches (empty when
-    every sum is exact). The region stays allocated: it is small, and freeing is the transport's affair."""
+    every sum is exact). The region is freed again (collectively) once its sums are read."""
     world, me = transport.world_size, transport.rank
     region = transport.alloc("odc.probe", (world + 1) * ELEMENTS, torch.float32)
     pattern = _pattern(ELEMENTS, region.local.device)
@@ -61,7 +61,9 @@ def run_probe(transport: Transport) -> list[Mismatch]:
             transport.accumulate(region, owner, me * ELEMENTS, mine)
             transport.accumulate(region, owner, world * ELEMENTS, mine)
     transport.barrier(TIMEOUT_S)
-    sums = region.local.view(world + 1, ELEMENTS).cpu()
+    sums = region.local.view(world + 1, ELEMENTS).to("cpu", copy=True)
+    del region  # the transport frees what no tensor of ours still points into
+    transport.free("odc.probe")
     pattern = pattern.cpu()
     expected = [pattern * (ROUNDS * (s + 1)) for s in range(world)]
     expected.append(pattern * (ROUNDS * world * (world + 1) // 2))

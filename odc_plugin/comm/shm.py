@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import mmap
 import os
 import threading
@@ -41,18 +42,29 @@ class _Mapping:
         self.fd = os.open(path, flags, 0o600)
         if create:
             os.ftruncate(self.fd, nbytes)
+        self.nbytes = nbytes
         self.mm = mmap.mmap(self.fd, nbytes)
 
     def tensor(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return torch.frombuffer(self.mm, dtype=dtype, count=numel)
 
-    def close(self) -> None:
-        # Tensors made by frombuffer may still point into the mapping; leave it to the GC then.
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        os.close(self.fd)
+    def close(self, collect: bool = False) -> bool:
+        """Unmap and close; the file (unlinked since set-up) is gone with its last mapping. False when a tensor
+        made by frombuffer, or a view of one, still points into the mapping: it stays mapped until the GC
+        frees that tensor. `collect`: run the GC first if so (a reference cycle, a traceback's frames say,
+        may be all that holds the view)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        for attempt in range(2 if collect else 1):
+            if attempt:
+                gc.collect()
+            try:
+                self.mm.close()
+                return True
+            except BufferError:
+                pass
+        return False
 
 
 class ShmTransport(Transport):
@@ -67,8 +79,8 @@ class ShmTransport(Transport):
         self._peer_tensors: dict[str, list[torch.Tensor]] = {}
         # Record locks belong to the process, not the thread: threads of one rank exclude each other here.
         self._thread_lock = threading.Lock()
-        self._doorbells = self.alloc("odc.doorbell", 1, torch.int32)
-        self._arrivals = self.alloc("odc.barrier", 1, torch.int64)
+        self._doorbells = self._alloc_control("odc.doorbell", 1, torch.int32)
+        self._arrivals = self._alloc_control("odc.barrier", 1, torch.int64)
         self._alloc_failure_notices()
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
@@ -102,6 +114,30 @@ class ShmTransport(Transport):
         self._mappings[name] = mappings
         self._peer_tensors[name] = [m.tensor(dtype, numel) for m in mappings]
         return Region(name, numel, dtype, self._peer_tensors[name][self.rank])
+
+    def free(self, name: str) -> None:
+        # Local: a peer still mapping its own copy of this rank's file keeps only its own mapping alive, and
+        # every file was unlinked at set-up, so nothing is left to meet about.
+        mappings = self._mappings.pop(name)
+        del self._peer_tensors[name]
+        held = [m for m in mappings if not m.close(collect=True)]
+        if held:
+            raise RuntimeError(
+                f"rank {self.rank}: shared-memory region '{name}' cannot be unmapped: a tensor still views "
+                f"{len(held)} of its mappings; drop every view of a region before freeing it"
+            )
+
+    def region_bytes(self, region: Region) -> int:
+        return self._mappings[region.name][self.rank].nbytes
+
+    def control_bytes(self) -> int:
+        return sum(self.region_bytes(r) for r in self._control)
+
+    def staging_bytes(self) -> int:
+        return 0
+
+    def mapped_bytes(self) -> int:
+        return sum(m.nbytes for maps in self._mappings.values() for r, m in enumerate(maps) if r != self.rank)
 
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
         n = out.numel()
@@ -189,8 +225,8 @@ class ShmTransport(Transport):
             )
 
     def close(self) -> None:
+        self._peer_tensors.clear()
         for mappings in self._mappings.values():
             for m in mappings:
                 m.close()
         self._mappings.clear()
-        self._peer_tensors.clear()

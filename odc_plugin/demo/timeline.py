@@ -122,6 +122,22 @@ class TimedTransport(Transport):
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         return self.inner.alloc(name, numel, dtype)
 
+    # Memory is the inner transport's.
+    def free(self, name):
+        self.inner.free(name)
+
+    def region_bytes(self, region):
+        return self.inner.region_bytes(region)
+
+    def control_bytes(self):
+        return self.inner.control_bytes()
+
+    def staging_bytes(self):
+        return self.inner.staging_bytes()
+
+    def mapped_bytes(self):
+        return self.inner.mapped_bytes()
+
     def get(self, region, peer, offset, out):
         self.clock.timed(TRANSFER, self.inner.get, region, peer, offset, out)
 

@@ -11,7 +11,12 @@ During a mini-batch `.grad` must not be the accumulator: FSDP's post-backward ad
 output into an existing `.grad` with a plain read-modify-write, which would race with the peers' adds
 into the same memory. So begin() points every `.grad` at one shared block of zeros (ODC zeroes FSDP's
 outputs, so FSDP's adds keep it zero, and FSDP keeps no gradient buffer of its own alive), and end()
-points them back at the accumulator.
+points them back at the accumulator. The block (the largest shard's size, per parameter dtype) exists
+only during a backward mini-batch.
+
+When ODC releases its regions between phases (`OnDemandComm.release`), a `.grad` that is the accumulator
+gets a copy of its own first (`detach`): what FSDP2 would hold, and begin() adds it back in like any
+`.grad` carried into a mini-batch.
 
 The accumulator holds plain sums, divided once at end(). A `.grad` carried into a mini-batch (gradient
 accumulation over mini-batches, a backward outside one) is scaled back into the sum at begin(); under
@@ -39,7 +44,6 @@ class _Slot:
     start: int  # elements into the accumulator
     padded_numel: int  # elements the accumulator reserves for it
     slice: torch.Tensor | None  # its accumulator slice, shaped as its local shard (fp32 parameters), else None
-    zeros: DTensor  # its `.grad` during a mini-batch
 
     def is_view(self, grad: DTensor) -> bool:
         """Whether `grad` is this slot's accumulator slice. By address, not by object: moving a module
@@ -58,18 +62,12 @@ class GradientStorage:
     def __init__(self, region: torch.Tensor, slots: list[tuple[ParamSlot, int]], carries: bool):
         self.acc, self.flags = region[: -len(slots)], region[-len(slots) :]
         self.region, self.carries = region, carries
-        zeros: dict[torch.dtype, torch.Tensor] = {}
-        for slot, _ in slots:
-            local = slot.param.to_local()
-            block = zeros.get(local.dtype)
-            if block is None or block.numel() < local.numel():
-                zeros[local.dtype] = torch.zeros(local.numel(), dtype=local.dtype, device=local.device)
         self.slots: list[_Slot] = []
         for slot, start in slots:
             param, local = slot.param, slot.param.to_local()
             mine = self.acc[start : start + local.numel()].view(local.shape) if local.dtype == torch.float32 else None
-            zero = _as_grad_of(param, zeros[local.dtype][: local.numel()].view(local.shape))
-            self.slots.append(_Slot(param, start, slot.padded_numel, mine, zero))
+            self.slots.append(_Slot(param, start, slot.padded_numel, mine))
+        self._zeros: list[torch.Tensor] = []  # the blocks `.grad` points at during a mini-batch, one per dtype
         self._had = [False] * len(self.slots)  # whose `.grad` was set when the mini-batch began
         self._copies: list[DTensor | None] = [None] * len(self.slots)  # `.grad` to be of the copied ones
 
@@ -77,6 +75,11 @@ class GradientStorage:
     def grad_storage_bytes(self) -> int:
         """Bytes of sharded `.grad` that the accumulator stands in for: what FSDP2 holds and ODC does not."""
         return sum(s.slice.numel() * 4 for s in self.slots if s.slice is not None)
+
+    @property
+    def zeros_bytes(self) -> int:
+        """Bytes of the zeros `.grad` points at: the largest local shard per dtype in a mini-batch, else 0."""
+        return sum(block.numel() * block.element_size() for block in self._zeros)
 
     @torch.no_grad()
     def begin(self, divide_factor: float) -> None:
@@ -100,8 +103,16 @@ class GradientStorage:
         else:
             self.acc.zero_()
         self.flags.zero_()
+        largest: dict[tuple[torch.dtype, torch.device], int] = {}
         for s in self.slots:
-            s.param.grad = s.zeros
+            local = s.param.to_local()
+            key = (local.dtype, local.device)
+            largest[key] = max(largest.get(key, 0), local.numel())
+        blocks = {key: torch.zeros(numel, dtype=key[0], device=key[1]) for key, numel in largest.items()}
+        self._zeros = list(blocks.values())
+        for s in self.slots:
+            local = s.param.to_local()
+            s.param.grad = _as_grad_of(s.param, blocks[local.dtype, local.device][: local.numel()].view(local.shape))
 
     def prepare_end(self) -> None:
         """Allocate the `.grad` copies that end() fills (before the outcome is decided: see the module)."""
@@ -127,6 +138,16 @@ class GradientStorage:
                 local.copy_(self.acc[s.start : s.start + local.numel()].view(local.shape))
                 s.param.grad = self._copies[i]
         self._copies = [None] * len(self.slots)
+        self._zeros = []
+
+    @torch.no_grad()
+    def detach(self) -> None:
+        """Between mini-batches, before the accumulator is freed: every `.grad` that is a view of it gets a
+        copy of its own (the `.grad` stock FSDP2 holds), with the same values."""
+        for s in self.slots:
+            grad = s.param.grad
+            if grad is not None and s.is_view(grad):
+                s.param.grad = _as_grad_of(s.param, s.slice.clone())
 
     @torch.no_grad()
     def drop(self) -> None:
@@ -135,3 +156,4 @@ class GradientStorage:
         self.region.zero_()
         self._had = [False] * len(self.slots)
         self._copies = [None] * len(self.slots)
+        self._zeros = []

@@ -29,6 +29,13 @@ A mini-batch that fails on one rank fails on every rank (`abort`; docs/design.md
 mini-batch"): the failing rank announces it through the transport (and the store, under HSDP), every
 peer's next wait raises ODCPeerFailedError naming it, the ranks meet once more so that no accumulate of
 the failed mini-batch is still in flight, and each returns to idle, ready to begin() the next mini-batch.
+
+Memory. The regions (published shards and their flag, the accumulator and its used flags) are allocated
+by apply_odc and can be released between mini-batches and built again (`release()` / `build()`, both
+collective): a training framework that hands the device to something else between phases (verl's
+rollout) releases them, and ODC then holds only its transport's control words. Their content is not
+kept: the published copy is republished at every begin(), and a `.grad` the accumulator held keeps its
+values in a tensor of its own. `memory_bytes()` counts every byte ODC holds, in every state.
 """
 
 from __future__ import annotations
@@ -95,12 +102,20 @@ class MiniBatchStats:
 
 @dataclass(frozen=True)
 class ODCMemory:
-    """Bytes of this rank's ODC regions for one model, and what they add to stock FSDP2's memory."""
+    """Bytes this rank's ODC holds for one model now (as its transport allocated them), and what they add to
+    stock FSDP2's memory. Released (`OnDemandComm.release`), only `control` is left."""
 
     published: int
     """The parameter shards in the all-gather dtype, which peers get from, and their flag."""
     accumulator: int
     """The fp32 gradient accumulator and its used flags; 0 for a forward-only model."""
+    scratch: int
+    """The zeros `.grad` points at during a backward mini-batch (the largest shard; 0 outside one), and the
+    ones the used flags are added from."""
+    staging: int
+    """The transport's staging buffers, held while any region is (nvshmem's accumulate slots); else 0."""
+    control: int
+    """The transport's control words (arrival flags, doorbells, failure notices), held from start to close."""
     grad_storage: int
     """Bytes of sharded `.grad` that FSDP2 would hold and ODC does not, the accumulator being their
     storage (fp32 parameters); 0 when `.grad` is a copy (another parameter dtype) or there is none."""
@@ -108,9 +123,19 @@ class ODCMemory:
     """Elements of this rank's parameter shards."""
 
     @property
+    def regions(self) -> int:
+        """Everything but the control words: what ODC holds for the model, 0 once released."""
+        return self.published + self.accumulator + self.scratch + self.staging
+
+    @property
+    def held(self) -> int:
+        """Every byte ODC holds for the model, its transport's control words included."""
+        return self.regions + self.control
+
+    @property
     def extra_bytes_per_param(self) -> float:
-        """What ODC adds to FSDP2, per element of this rank's shards."""
-        return (self.published + self.accumulator - self.grad_storage) / max(self.shard_numel, 1)
+        """What ODC adds to FSDP2 (its control words aside), per element of this rank's shards."""
+        return (self.regions - self.grad_storage) / max(self.shard_numel, 1)
 
 
 @dataclass(frozen=True)
@@ -144,6 +169,12 @@ class OnDemandComm:
         self._closed = False
         self._ready_peers: set[int] = set()
         self._begin_time = 0.0
+        self.build_s = 0.0  # seconds spent in build() and release() so far
+        self.minibatch_memory: ODCMemory | None = None  # memory_bytes() in the last mini-batch
+        # FSDP reduce-scatter inputs whose accumulates are issued, each with an event recorded after them
+        # (GPU only): held until the compute stream waits for that event (_ScatterAccumulate.allocate).
+        self._sent: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._waits_at_backward_end = False  # whether the running backward ends with _end_of_backward
 
         self._modules_and_groups = modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
         if fsdp_internals.reshards_to_a_smaller_group(modules_and_groups):
@@ -182,13 +213,13 @@ class OnDemandComm:
                 param_bytes += nbytes
                 grad_numel += sum(s.padded_numel for s in slots)
                 num_slots += len(slots)
-        self.params = transport.alloc("odc.params", param_bytes, torch.uint8)
-        self.grad_numel = grad_numel
-        # With one rank FSDP never calls its comm hooks and builds `.grad` itself; a forward-only model has none.
-        self.grads = None
+        self._param_bytes, self.grad_numel, self._num_slots = param_bytes, grad_numel, num_slots
+        self.params = self.grads = self.published = None  # the regions (build)
         self._gradients: GradientStorage | None = None
-        if self.config.trains and self.world_size > 1:
-            device = self.params.local.device
+        self._ones: torch.Tensor | None = None  # added into the used flags
+        self.build()
+        if self.grads is not None:
+            device = self.grads.local.device
             elsewhere = {s.param.to_local().device for layout in self.layouts for s in layout.slots} - {device}
             if elsewhere:
                 raise ValueError(
@@ -196,12 +227,6 @@ class OnDemandComm:
                     f"parameters are on {sorted(map(str, elsewhere))}, ODC's gradient accumulator on {device}; turn "
                     f"offload_policy off, or set the model up forward-only (ODCConfig(trains=False))"
                 )
-            # One region, so that HSDP sums the accumulators and the used flags across replicas in one bucket.
-            self.grads = transport.alloc("odc.grads", grad_numel + num_slots, torch.float32)
-            carries = self.mesh.replicate_group is None or dist.get_rank(self.mesh.replicate_group) == 0
-            slots = [(slot, layout.grad_offset + slot.offset) for layout in self.layouts for slot in layout.slots]
-            self._gradients = GradientStorage(self.grads.local, slots, carries)
-        self.published = transport.alloc("odc.published", 1, torch.int64)
 
         self._scatters: list[_ScatterAccumulate] = []
         # With one rank FSDP never calls its comm hooks, and its own gradients are already final.
@@ -232,14 +257,84 @@ class OnDemandComm:
     def divide_factor(self) -> float:
         return self.config.gradient_divide_factor or float(self.world_size * self.mesh.num_replicas)
 
+    @property
+    def released(self) -> bool:
+        """Whether the regions are released (`release()`): begin() then needs a `build()` first."""
+        return self.params is None
+
+    def build(self) -> None:
+        """Collective: allocate the model's regions, at apply_odc and again after `release()`; a no-op while
+        they exist. Every rank calls it at the same point of its collectives (e.g. when a phase starts)."""
+        self._check_usable()
+        if not self.released:
+            return
+        start = time.perf_counter()
+        transport = self.transport
+        self.params = transport.alloc("odc.params", self._param_bytes, torch.uint8)
+        # With one rank FSDP never calls its comm hooks and builds `.grad` itself; a forward-only model has none.
+        if self.config.trains and self.world_size > 1:
+            # One region, so that HSDP sums the accumulators and the used flags across replicas in one bucket.
+            self.grads = transport.alloc("odc.grads", self.grad_numel + self._num_slots, torch.float32)
+            carries = self.mesh.replicate_group is None or dist.get_rank(self.mesh.replicate_group) == 0
+            slots = [(slot, layout.grad_offset + slot.offset) for layout in self.layouts for slot in layout.slots]
+            self._gradients = GradientStorage(self.grads.local, slots, carries)
+            most = max((len(layout.slots) for layout in self.layouts), default=0)
+            self._ones = torch.ones(most, device=self.grads.local.device)
+        self.published = transport.alloc("odc.published", 1, torch.int64)
+        self.build_s += time.perf_counter() - start
+
+    def release(self) -> None:
+        """Collective, between mini-batches: free the model's regions on every rank (the published shards and
+        their flag, the accumulator and its used flags), so that ODC holds only its transport's control words
+        until `build()`. A `.grad` that is the accumulator's (an fp32 parameter's after a backward mini-batch,
+        until zero_grad) first gets a copy of its own, as FSDP2 holds it. A no-op once released; inside a
+        mini-batch it raises and changes nothing."""
+        self._check_usable()
+        if self.in_minibatch:
+            raise RuntimeError("ODC release() inside a mini-batch; end() it first (the mini-batch goes on)")
+        if self.released:
+            return
+        start = time.perf_counter()
+        self.transport.synchronize()
+        if self._gradients is not None:
+            self._gradients.detach()
+        names = [region.name for region in (self.published, self.grads, self.params) if region is not None]
+        # Every view of a region goes before the region itself (Transport.free).
+        self.params = self.grads = self.published = None
+        self._gradients, self._ones = None, None
+        self._sent.clear()
+        for name in names:
+            self.transport.free(name)
+        self.build_s += time.perf_counter() - start
+
     def memory_bytes(self) -> ODCMemory:
-        """This rank's ODC regions for the model, against stock FSDP2 (measured from the regions)."""
+        """What this rank's ODC holds for the model now, as its transport allocated it, against stock FSDP2."""
+        transport, gradients = self.transport, self._gradients
         return ODCMemory(
-            published=self.params.numel + 8 * self.published.numel,
-            accumulator=0 if self.grads is None else 4 * self.grads.numel,
-            grad_storage=0 if self._gradients is None else self._gradients.grad_storage_bytes,
+            published=sum(transport.region_bytes(r) for r in (self.params, self.published) if r is not None),
+            accumulator=0 if self.grads is None else transport.region_bytes(self.grads),
+            scratch=(0 if gradients is None else gradients.zeros_bytes)
+            + (0 if self._ones is None else self._ones.numel() * self._ones.element_size()),
+            staging=transport.staging_bytes(),
+            control=transport.control_bytes(),
+            grad_storage=0 if gradients is None else gradients.grad_storage_bytes,
             shard_numel=sum(p.to_local().numel() for p in self.model.parameters() if isinstance(p, DTensor)),
         )
+
+    def _wait_for_sent(self, stream) -> None:
+        """Make `stream` (the compute stream) wait until the accumulates issued so far have read their
+        reduce-scatter inputs, then let go of those: as FSDP2 bounds the reduce-scatter inputs in flight."""
+        for _, event in self._sent:
+            stream.wait_event(event)
+        self._sent.clear()
+
+    def _end_of_backward(self) -> None:
+        """The last reduce-scatter of a backward has no next one to wait at: the compute stream waits for its
+        accumulates when the backward ends, as FSDP2's own final callback waits for its reduce-scatter, so
+        that the input (the root's: embeddings and head, the largest) is not held through the next forward."""
+        self._waits_at_backward_end = False
+        if self._sent:
+            self._wait_for_sent(torch.cuda.current_stream(self._sent[-1][0].device))
 
     def begin(self, backward: bool = True) -> None:
         """Start a mini-batch: publish this rank's shards. `backward=False` for forward-only passes. Misuse
@@ -254,6 +349,8 @@ class OnDemandComm:
                 "this model was set up forward-only (ODCConfig(trains=False)): it has no gradient "
                 "accumulator; begin(backward=False)"
             )
+        if self.released:
+            raise RuntimeError("ODC's regions are released (release()); call build() on every rank before begin()")
         with self.guard():
             self.in_minibatch, self._backward = True, backward
             self._begin_time = time.perf_counter()
@@ -264,6 +361,7 @@ class OnDemandComm:
             fsdp_internals.reset_to_idle(self._modules_and_groups)
             if backward and self._gradients is not None:
                 self._gradients.begin(self.divide_factor)
+            self.minibatch_memory = self.memory_bytes()
             with torch.no_grad():
                 for layout in self.layouts:
                     shard = fsdp_internals.all_gather_input(layout.group).view(torch.uint8)
@@ -290,6 +388,7 @@ class OnDemandComm:
                 self._replicas.wait(self.config.barrier_timeout_s)
             self.transport.barrier(self.config.barrier_timeout_s)
         done = time.perf_counter()
+        self._sent.clear()  # the barrier waited for the device: every accumulate has read its input
         self.in_minibatch = False
         fsdp_internals.reset_to_idle(self._modules_and_groups)
         if backward:
@@ -341,6 +440,8 @@ class OnDemandComm:
             self._announce(error)
         for scatter in self._scatters:
             scatter.discard()
+        self._sent.clear()
+        self._waits_at_backward_end = False  # a backward that raised runs no final callback
         fsdp_internals.reset_after_failure(self._modules_and_groups)
         if isinstance(error, ODCTimeoutError):
             self._broken = ODCTimeoutError(f"mini-batch {self.epoch} timed out ({error})")
@@ -450,8 +551,16 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
 
     FSDP's input holds only the parameters this rank has a gradient for; which ones is known only as FSDP
     calls `reduced` for each of them, right after this hook. So the hook keeps the input, and the
-    accumulates go out once those calls have covered all of it; it lets go of the input only once they
-    are issued (on a GPU, with its stream recorded: see `_send`).
+    accumulates go out once those calls have covered all of it.
+
+    On a GPU the accumulates run on the reduce-scatter stream, after the event FSDP records when this hook
+    returns, which is all the compute stream waits for: FSDP would hand the input back to the caching
+    allocator, for the next layer's backward, while the accumulates still read it. So ODC holds the input
+    past them, with an event recorded after them, and the next group's reduce-scatter (its `allocate` of
+    the input, on the compute stream), or else the end of the backward, makes compute wait for that event
+    before letting go: compute never runs more than one group ahead of the accumulates, and the inputs in
+    flight stay as few as FSDP2's own (one), however far the accumulates lag. The memory is reused in
+    stream order, as FSDP2 reuses its own inputs, not held back for another stream (record_stream).
     """
 
     def __init__(self, odc: OnDemandComm, layout: _GroupLayout):
@@ -459,7 +568,12 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
         self._input: torch.Tensor | None = None
         self._reduced: list[int] = []  # slot indices, in FSDP's order
         self._covered = 0  # elements of one rank's chunk that those slots fill
-        self._ones: torch.Tensor | None = None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # FSDP allocates the input on the compute stream, the output on the reduce-scatter stream.
+        if self.odc._sent and fsdp_internals.on_compute_stream(self.layout.group, device):
+            self.odc._wait_for_sent(torch.cuda.current_stream(device))
+        return super().allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         odc = self.odc
@@ -505,16 +619,8 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
 
     def _send(self) -> None:
         odc, layout, chunks = self.odc, self.layout, self._input
-        if chunks.is_cuda:
-            # FSDP lets the caching allocator hand this buffer out again once the compute stream has passed
-            # the event FSDP recorded when this hook returned: before the accumulates below, enqueued later
-            # on the current (reduce-scatter) stream, have read it. Recording that stream makes the allocator
-            # also wait for what is queued on it when the buffer is freed, these accumulates included.
-            chunks.record_stream(torch.cuda.current_stream(chunks.device))
         if odc.config.lockstep:
             odc.transport.barrier(odc.config.barrier_timeout_s)
-        if self._ones is None:
-            self._ones = torch.ones(len(layout.slots), device=chunks.device)
         # Consecutive slots are contiguous in both FSDP's input and the accumulator: one accumulate per
         # run of them (a single run, the whole group, when every parameter got a gradient).
         runs: list[tuple[int, int, int]] = []  # (first slot, slots, column in the input)
@@ -534,8 +640,17 @@ class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
                     odc.grads, peer, layout.grad_offset + start.offset, chunks[peer, column : column + numel]
                 )
                 odc.transport.accumulate(
-                    odc.grads, peer, odc.grad_numel + layout.used_offset + first, self._ones[:count]
+                    odc.grads, peer, odc.grad_numel + layout.used_offset + first, odc._ones[:count]
                 )
+        if chunks.is_cuda:
+            # Held, with what the compute stream will wait for, until the next reduce-scatter or the end of the
+            # backward (see the class).
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(chunks.device))
+            if not odc._waits_at_backward_end:
+                odc._waits_at_backward_end = True
+                fsdp_internals.at_end_of_backward(odc._end_of_backward)
+            odc._sent.append((chunks, event))
         self._input = None  # the accumulates reading it are issued
 
 

@@ -25,6 +25,22 @@ class WatchedTransport(Transport):
     def alloc(self, name, numel, dtype):
         return self.inner.alloc(name, numel, dtype)
 
+    # Memory is the inner transport's.
+    def free(self, name):
+        self.inner.free(name)
+
+    def region_bytes(self, region):
+        return self.inner.region_bytes(region)
+
+    def control_bytes(self):
+        return self.inner.control_bytes()
+
+    def staging_bytes(self):
+        return self.inner.staging_bytes()
+
+    def mapped_bytes(self):
+        return self.inner.mapped_bytes()
+
     def get(self, region, peer, offset, out):
         self.inner.get(region, peer, offset, out)
 
@@ -66,17 +82,25 @@ class WatchedTransport(Transport):
         self.inner.close()
 
 
+class _LetGo(list):
+    """In place of ODC's list of sent reduce-scatter inputs (OnDemandComm._sent): each is let go at once,
+    so the compute stream never waits for its accumulates."""
+
+    def append(self, sent) -> None:
+        pass
+
+
 def watched_grads(rank, world_size, seqs, plan, device, delay_cycles, stream_bookkeeping=True):
     """One ODC mini-batch of plan[rank] over a WatchedTransport; the gradients, whether every accumulate
     read a buffer the hook still held, and whether any hook holds one after end(). Without
-    `stream_bookkeeping` (the negative control) this process's `record_stream` does nothing, so the caching
-    allocator may hand out FSDP's reduce-scatter input while accumulates queued on its stream still read it."""
-    if not stream_bookkeeping:
-        torch.Tensor.record_stream = lambda self, stream: None
+    `stream_bookkeeping` (the negative control) ODC lets go of each reduce-scatter input as soon as its
+    accumulates are issued, so the caching allocator may hand it out while they still read it."""
     model = sharded_model(rank, world_size, device=device)
     transport = WatchedTransport(make_transport(TRANSPORT[device]), delay_cycles)
     odc = apply_odc(model, transport, ODCConfig(barrier_timeout_s=60))
     transport.odc = odc
+    if not stream_bookkeeping:
+        odc._sent = _LetGo()
     seqs = on_device(seqs, device)
     global_tokens = count_targets(seqs)
     with odc.minibatch():

@@ -1,10 +1,12 @@
 """ODC reads FSDP's reduce-scatter input after FSDP has let go of it: the hook keeps it until the
-accumulates reading it are issued, and on a GPU records their stream with the caching allocator.
+accumulates reading it are issued, and on a GPU until the compute stream waits for them.
 
 FSDP2 records its reduce-scatter event right after the custom reduce-scatter returns, and once the
 compute stream has passed that event the buffer may be handed out again; ODC's accumulates are issued
-later, from the post-accumulate-grad hooks, on the reduce-scatter stream. Without the recorded stream a
-lagging reduce-scatter stream would read a buffer the next layer's backward already writes into.
+later, from the post-accumulate-grad hooks, on the reduce-scatter stream. So ODC holds the input, with an
+event recorded after its accumulates, until the next reduce-scatter makes the compute stream wait for that
+event (odc.py, _ScatterAccumulate). Without it a lagging reduce-scatter stream would read a buffer the next
+layer's backward already writes into. (The memory this bound keeps: tests/fsdp/test_odc_memory.py.)
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ needs_gpu = pytest.mark.skipif(
     reason="needs a CUDA GPU and Triton (the cuda_ipc transport): the hazard is between CUDA streams",
 )
 # 2 ranks on the GPU(s) over CUDA IPC, 8 one-sequence micro-batches each (short: the next layer's backward
-# starts while the last accumulates still wait), the reduce-scatter stream delayed ~1 ms before every
-# accumulate.
-LAGGING = dict(seqs=workers.make_sequences(16, seed=52, max_len=12), delay_cycles=2_000_000)
+# starts while the last accumulates still wait), the reduce-scatter stream delayed ~10 ms before every
+# accumulate: longer than the host takes to reach the next layer's reduce-scatter, so that without the
+# bookkeeping that layer's copy-in reliably lands in the buffer still to be read (at ~1 ms it did in 2 runs
+# of 3 on an H100)
+LAGGING = dict(seqs=workers.make_sequences(16, seed=52, max_len=12), delay_cycles=20_000_000)
 LAGGING["plan"] = [[[i] for i in range(8)], [[i] for i in range(8, 16)]]
 
 
@@ -67,9 +71,10 @@ def test_gradients_stay_exact_when_the_reduce_scatter_stream_lags_behind_compute
 
 @needs_gpu
 def test_negative_control_without_the_stream_bookkeeping_the_lagging_stream_corrupts_gradients():
-    """The same run with `record_stream` a no-op in the ranks: the allocator hands FSDP's reduce-scatter
-    input out again while accumulates queued on the lagging stream still read it, so the gradients differ
-    from one process's. Shows that the test above can fail, and that the bookkeeping is what passes it."""
+    """The same run with ODC letting go of each reduce-scatter input once its accumulates are issued (no
+    wait of the compute stream): the allocator hands it out again while accumulates queued on the lagging
+    stream still read it, so the gradients differ from one process's. Shows that the test above can fail,
+    and that the bookkeeping is what passes it."""
     results, expected = _lagging_run(stream_bookkeeping=False)
     worst = [_worst_relative_difference(r["grads"], expected) for r in results]
     print(f"without stream bookkeeping: worst relative difference per rank {[f'{w:.2e}' for w in worst]}")
