@@ -1,5 +1,6 @@
-"""The GPU checklist's commands (docs/gpu.md) on a machine without a GPU: each benchmark command's
-arguments parse, the benchmarks import without a GPU or Triton, and say so instead of measuring."""
+"""The GPU checklist's benchmark commands (benchmarks/gpu_check.py's steps, and docs/gpu.md's others) on a
+machine without a GPU: each one's arguments parse, the benchmarks import without a GPU or Triton, and say
+so instead of measuring."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ BENCHMARKS = ROOT / "benchmarks"
 
 
 def checklist_commands() -> list[list[str]]:
-    """The `python benchmarks/...` commands of docs/gpu.md's checklist block, as argument lists."""
-    block = re.search(r"## The GPU checklist.*?```\n(.*?)```", (ROOT / "docs" / "gpu.md").read_text(), re.S)
+    """The GPU checklist's benchmark commands that take arguments, as argument lists from the script on:
+    the one command's (benchmarks/gpu_check.py's steps), then those docs/gpu.md shows beside it."""
+    steps = [list(s.argv[1:]) for s in load("gpu_check.py").STEPS if s.argv[1].startswith("benchmarks/bench")]
+    section = (ROOT / "docs" / "gpu.md").read_text().split("Not in the one command:", 1)[1]
+    block = re.search(r"```\n(.*?)```", section, re.S)
     lines = [line.removeprefix("PYTHONPATH=. ") for line in block.group(1).splitlines()]
-    return [shlex.split(line)[1:] for line in lines if line.startswith("python benchmarks/")]
+    shown = [shlex.split(line)[1:] for line in lines if line.startswith("python benchmarks/")]
+    return [c for c in steps if len(c) > 1] + shown
 
 
 def load(script: str):
     spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), BENCHMARKS / script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -44,15 +50,15 @@ def test_the_transport_benchmark_reads_its_arguments():
     bench = load("bench_transport_gpu.py")
     (command,) = [c for c in checklist_commands() if c[0].endswith("bench_transport_gpu.py")]
     args = bench.parse_args(command[1:])
-    assert (args.gib, args.worlds, args.programs) == (1.0, [2, 3], [16, 32, 64])
+    assert (args.gib, args.worlds, args.programs) == (1.0, [2, 3], [64, 96, 128])
     assert bench.kernel_names(args.programs) == [
         "old",
-        "new/16",
-        "new/32",
         "new/64",
-        "slots/16",
-        "slots/32",
+        "new/96",
+        "new/128",
         "slots/64",
+        "slots/96",
+        "slots/128",
     ]
     with pytest.raises(SystemExit):
         bench.parse_args(["--programs", "0"])
@@ -62,7 +68,7 @@ def test_the_core_benchmark_reads_its_arguments_and_reports_memory():
     bench = load("bench_odc_core.py")
     (command,) = [c for c in checklist_commands() if c[0].endswith("bench_odc_core.py")]
     args = bench.parse_args(command[1:])
-    assert args.model_size == ["Qwen2.5-0.5B", "Qwen2.5-1.5B"] and args.rows == ("fsdp2+lb_micro", "odc+lb_micro")
+    assert args.model_size == ["Qwen2.5-0.5B"] and args.rows == ("fsdp2+lb_micro", "odc+lb_micro")
     assert args.device == "cuda" and args.ranks == 1 and args.forward_only
     assert bench.parse_args(["--rows", "odc+lb_mini", "fsdp2+lb_micro"]).rows == ("fsdp2+lb_micro", "odc+lb_mini")
     gib = 1 << 30

@@ -12,7 +12,7 @@ def test_the_grid_is_bounded_however_large_the_shard():
     # program per 1024 elements, ~28K programs; now PROGRAMS, each looping.
     shard = 233_000_000 // 8
     plan = plan_tiles(shard)
-    assert plan.programs == PROGRAMS <= 64
+    assert plan.programs == PROGRAMS < 132  # fewer programs than an H100 has SMs
     assert plan.tiles == -(-shard // TILE) and plan.programs * plan.rounds >= plan.tiles
     assert plan_tiles(shard, max_programs=8).programs == 8
 

@@ -1,0 +1,5 @@
+"""`ray.actor`: a name in verl's annotations."""
+
+
+class ActorHandle:
+    pass

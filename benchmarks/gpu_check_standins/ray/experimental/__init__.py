@@ -1,0 +1,1 @@
+"""`ray.experimental`: what verl imports of it."""

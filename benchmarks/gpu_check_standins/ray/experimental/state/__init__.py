@@ -1,0 +1,1 @@
+"""`ray.experimental.state`: what verl imports of it."""

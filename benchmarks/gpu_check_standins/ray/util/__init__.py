@@ -1,0 +1,1 @@
+"""`ray.util`: what verl imports of it."""
