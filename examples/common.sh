@@ -6,19 +6,30 @@
 # the A/B report (ab_report.py) compares them.
 #
 # Set by the calling script: DATASET, MODEL, EXP, MAX_PROMPT, MAX_RESPONSE, TRAIN_BATCH, MINI_BATCH,
-# N (responses per prompt), TOKENS_PER_GPU, ROLLOUT_TP, ROLLOUT_MEM.
+# N (responses per prompt), ROLLOUT_TP, ROLLOUT_MEM, PLAN_MODEL (the odc-plan preset of MODEL's shapes,
+# used when MODEL is not a local directory), and either TOKENS_PER_GPU (dynamic batch size:
+# ppo_max_token_len_per_gpu) or MICRO_BATCH (fixed micro-batches: ppo_micro_batch_size_per_gpu);
+# optionally TRAIN_FILES / VAL_FILES (arrays of parquet files; default the dataset's) and SCRIPT_ARGS
+# (an array of the script's own overrides).
+# Arguments after the script's name go to both runs as hydra overrides, last, as in verl's scripts.
 # Environment (all optional):
 #   STRATEGY        "fsdp2", "odc" or "fsdp2 odc" (default: both, one after the other)
-#   NGPUS, NNODES   GPUs per node (8) and nodes (1)
+#   NGPUS, NNODES   GPUs per node (8) and nodes (1); with NNODES > 1 both runs shard inside each node
+#                   (fsdp_size = NGPUS, HSDP across nodes), the only multi-node layout odc runs
 #   STEPS           training steps per run (30)
 #   DATA_DIR        where preprocess_data.py wrote train.parquet/test.parquet ($HOME/data/$DATASET)
 #   OUT_DIR         where the runs go ($PWD/odc_ab_runs)
 #   ODC_CONFIGS     hydra search path entry of the plugin's configs (pkg://odc_plugin.configs)
-#   ODC_TRANSPORT, ODC_BALANCER, ODC_COST_MODEL   ODC options (auto, lb_mini, flops)
-#   EXTRA_ARGS      more hydra overrides for both runs, space separated
+#   ODC_TRANSPORT, ODC_BALANCER   ODC options (auto, lb_mini)
+#   ODC_COST_MODEL  LB-Mini's cost model; unset: the plugin's default (auto)
+#   WANDB=1         also log to Weights & Biases (verl's wandb logger; project odc_ab, one run per strategy)
+#   EXTRA_ARGS      more hydra overrides for both runs: an array set by a script that sources this one, or
+#                   one override from the environment (several: give them after the script's name)
 #   PYTHON          interpreter (python3)
-#   DRY_RUN=1       print each run's command, one argument per line, and run nothing
+#   DRY_RUN=1       print each run's command, one argument per line, then odc-plan's prediction for these
+#                   settings; run nothing
 
+USER_ARGS=("$@")
 STRATEGY=${STRATEGY:-fsdp2 odc}
 NGPUS=${NGPUS:-8}
 NNODES=${NNODES:-1}
@@ -28,17 +39,27 @@ OUT_DIR=${OUT_DIR:-$PWD/odc_ab_runs}
 ODC_CONFIGS=${ODC_CONFIGS:-pkg://odc_plugin.configs}
 ODC_TRANSPORT=${ODC_TRANSPORT:-auto}
 ODC_BALANCER=${ODC_BALANCER:-lb_mini}
-ODC_COST_MODEL=${ODC_COST_MODEL:-flops}
 PYTHON=${PYTHON:-python3}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 RUN_DIR=$OUT_DIR/$EXP
+if [[ -z ${TRAIN_FILES+set} ]]; then TRAIN_FILES=("$DATA_DIR/train.parquet"); fi
+if [[ -z ${VAL_FILES+set} ]]; then VAL_FILES=("$DATA_DIR/test.parquet"); fi
+
+hydra_list() {  # a hydra list of quoted strings: ['a', 'b']
+    local out="" item
+    for item in "$@"; do out+="${out:+, }'$item'"; done
+    printf '[%s]' "$out"
+}
+
+LOGGER="console,file"
+if [[ "${WANDB:-0}" == 1 ]]; then LOGGER+=",wandb"; fi
 
 # Everything both runs share.
 COMMON_ARGS=(
     "algorithm.adv_estimator=grpo"
     "algorithm.use_kl_in_reward=False"
-    "data.train_files=$DATA_DIR/train.parquet"
-    "data.val_files=$DATA_DIR/test.parquet"
+    "data.train_files=$(hydra_list "${TRAIN_FILES[@]}")"
+    "data.val_files=$(hydra_list "${VAL_FILES[@]}")"
     "data.train_batch_size=$TRAIN_BATCH"
     "data.max_prompt_length=$MAX_PROMPT"
     "data.max_response_length=$MAX_RESPONSE"
@@ -49,8 +70,6 @@ COMMON_ARGS=(
     "actor_rollout_ref.model.enable_gradient_checkpointing=True"
     "actor_rollout_ref.actor.optim.lr=1e-6"
     "actor_rollout_ref.actor.ppo_mini_batch_size=$MINI_BATCH"
-    "actor_rollout_ref.actor.use_dynamic_bsz=True"
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$TOKENS_PER_GPU"
     "actor_rollout_ref.actor.use_kl_loss=True"
     "actor_rollout_ref.actor.kl_loss_coef=0.001"
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl"
@@ -61,7 +80,7 @@ COMMON_ARGS=(
     "actor_rollout_ref.rollout.n=$N"
     "actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP"
     "actor_rollout_ref.rollout.gpu_memory_utilization=$ROLLOUT_MEM"
-    "trainer.logger=[console,file]"
+    "trainer.logger=[$LOGGER]"
     "trainer.project_name=odc_ab"
     "trainer.n_gpus_per_node=$NGPUS"
     "trainer.nnodes=$NNODES"
@@ -72,6 +91,27 @@ COMMON_ARGS=(
     "trainer.resume_mode=disable"
     "trainer.critic_warmup=0"
 )
+if [[ -n ${MICRO_BATCH:-} ]]; then
+    COMMON_ARGS+=(
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$MICRO_BATCH"
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$MICRO_BATCH"
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=$MICRO_BATCH"
+    )
+else
+    COMMON_ARGS+=(
+        "actor_rollout_ref.actor.use_dynamic_bsz=True"
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$TOKENS_PER_GPU"
+    )
+fi
+if (( NNODES > 1 )); then
+    # shards inside each node, replicas across nodes (HSDP), for both runs: odc gets and accumulates over
+    # NVLink and all-reduces across nodes once per mini-batch; sharding across nodes it refuses
+    COMMON_ARGS+=(
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=$NGPUS"
+        "actor_rollout_ref.ref.fsdp_config.fsdp_size=$NGPUS"
+    )
+fi
+COMMON_ARGS+=("${SCRIPT_ARGS[@]+"${SCRIPT_ARGS[@]}"}")
 
 strategy_args() {
     case "$1" in
@@ -87,9 +127,11 @@ strategy_args() {
                 "model_engine=odc"
                 "actor_rollout_ref.actor.fsdp_config.odc_transport=$ODC_TRANSPORT"
                 "actor_rollout_ref.actor.fsdp_config.odc_balancer=$ODC_BALANCER"
-                "actor_rollout_ref.actor.fsdp_config.odc_cost_model=$ODC_COST_MODEL"
                 "actor_rollout_ref.ref.fsdp_config.odc_transport=$ODC_TRANSPORT"
-            ) ;;
+            )
+            if [[ -n ${ODC_COST_MODEL:-} ]]; then
+                STRATEGY_ARGS+=("actor_rollout_ref.actor.fsdp_config.odc_cost_model=$ODC_COST_MODEL")
+            fi ;;
         *)
             echo "STRATEGY must be fsdp2, odc or \"fsdp2 odc\"; got '$1'" >&2
             exit 2 ;;
@@ -100,8 +142,6 @@ run_one() {
     local strategy=$1
     strategy_args "$strategy"
     local metrics=$RUN_DIR/$strategy.jsonl
-    # shellcheck disable=SC2206
-    local extra=(${EXTRA_ARGS:-})
     local cmd=(
         "$PYTHON" -m verl.trainer.main_ppo
         "${COMMON_ARGS[@]}"
@@ -110,7 +150,8 @@ run_one() {
         # verl's file logger writes where VERL_FILE_LOGGER_PATH says; it runs inside a Ray actor, so the
         # variable is passed through Ray's runtime env as well as exported
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$metrics"
-        "${extra[@]}"
+        "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}"
+        "${USER_ARGS[@]+"${USER_ARGS[@]}"}"
     )
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
         printf '%s\n' "${cmd[@]}"
@@ -121,10 +162,29 @@ run_one() {
     VERL_FILE_LOGGER_PATH=$metrics "${cmd[@]}" 2>&1 | tee "$RUN_DIR/$strategy.log"
 }
 
+plan() {
+    # odc-plan for these settings: the script's model (its config.json when MODEL is a local directory, else
+    # the preset of its shapes) and batching; the prompts of the first train file counted with the model's
+    # tokenizer when both are here, else the rl profile's; responses drawn up to MAX_RESPONSE
+    local args=(--minibatch-sizes $((MINI_BATCH * N)) --max-prompt-length "$MAX_PROMPT" --max-response-length "$MAX_RESPONSE")
+    if (( NNODES > 1 )); then args+=(--nodes "$NNODES" --gpus-per-node "$NGPUS"); else args+=(--ranks "$NGPUS"); fi
+    if [[ -n ${MICRO_BATCH:-} ]]; then args+=(--micro-batch-size "$MICRO_BATCH"); else args+=(--max-token-len "$TOKENS_PER_GPU"); fi
+    if [[ -f $MODEL/config.json ]]; then
+        args+=(--model "$MODEL")
+        if [[ -f ${TRAIN_FILES[0]} ]]; then args+=(--lengths "${TRAIN_FILES[0]}:prompt" --tokenizer "$MODEL"); fi
+    else
+        args+=(--model "$PLAN_MODEL")
+    fi
+    echo "# odc-plan ${args[*]}"
+    "$PYTHON" -m odc_plugin.balance.planner "${args[@]}"
+}
+
 for strategy in $STRATEGY; do
     run_one "$strategy"
 done
 
-if [[ "${DRY_RUN:-0}" != 1 && -f "$RUN_DIR/fsdp2.jsonl" && -f "$RUN_DIR/odc.jsonl" ]]; then
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    plan
+elif [[ -f "$RUN_DIR/fsdp2.jsonl" && -f "$RUN_DIR/odc.jsonl" ]]; then
     "$PYTHON" "$HERE/ab_report.py" "$RUN_DIR" | tee "$RUN_DIR/report.txt"
 fi

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
 SHELLS = ("", "bash", "sh", "shell", "console")
 
 # A command's start -> why it is not run here.
@@ -32,6 +32,11 @@ NOT_RUN = {
     "through odc-grpo-cpu, below and in tests/verl",
     "PYTHONPATH=. python": "the GPU checklist (docs/gpu.md): needs a GPU",
     "for n in": "the GPU checklist: real compute at 4-16 ranks on a 16-core GPU machine",
+    "python3 benchmarks/gpu_check.py --build-wheels": "downloads the GPU check's wheel folder (network); "
+    "tests/benchmarks/test_gpu_check.py checks its pip lines and runs the command's dry run",
+    "python3 -m pip": "the wheel folder's download lines (network), which gpu_check.py --build-wheels runs",
+    "python examples/preprocess_data.py": "downloads GSM8K and MATH from the Hugging Face Hub",
+    "python examples/ab_report.py": "two GPU runs' metrics; tests/verl/test_ab_report.py reports on real ones",
 }
 # A command's start -> options that shrink it to a small size.
 SMALLER = {
@@ -77,6 +82,14 @@ def to_run(command: str) -> list[str] | None:
     """The argv the test runs for a documented command, None if it is not run (NOT_RUN)."""
     if _start(command, NOT_RUN):
         return None
+    words = shlex.split(command, comments=True)
+    variables = []
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        variables.append(words.pop(0))
+    if words[:1] == ["bash"] and words[1].startswith("examples/"):
+        # an example runs an A/B on GPUs (vLLM rollout, 8 GPUs a node); its dry run prints the commands and
+        # odc-plan's prediction, run here with this interpreter (and every script's: test_example_dry_run_*)
+        return ["env", f"PYTHON={sys.executable}", *variables, *words] if "DRY_RUN=1" in variables else None
     start = _start(command, SMALLER)
     if start is None:
         raise AssertionError(
@@ -119,7 +132,7 @@ def test_every_file_of_the_repository_a_command_names_exists():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("docs_commands")
-    for name in ("benchmarks", "configs"):
+    for name in ("benchmarks", "configs", "examples"):
         (path / name).symlink_to(ROOT / name)
     return path
 
@@ -158,3 +171,69 @@ def test_documented_command_runs(argv, workdir):
         argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
     assert proc.returncode == 0, f"{shlex.join(argv)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+# --- the examples: every script's dry run ---------------------------------------------------------------------
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("grpo_*.sh"))
+
+
+def _dry_run(script: str, *args: str, cwd: Path, **env: str) -> tuple[list[list[str]], str]:
+    """(the two runs' argument lists, odc-plan's printed prediction) of `DRY_RUN=1 bash examples/SCRIPT ARGS`."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples" / script), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "DRY_RUN": "1", **env},
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    commands, plan = proc.stdout.split("# odc-plan ", 1)
+    lines = commands.splitlines()
+    starts = [i for i, line in enumerate(lines) if lines[i : i + 3] == [sys.executable, "-m", "verl.trainer.main_ppo"]]
+    return [lines[a + 3 : b] for a, b in zip(starts, [*starts[1:], len(lines)])], plan
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_example_dry_run_forwards_arguments_and_prints_its_plan(script, tmp_path):
+    """Both runs get the arguments after the script's name (last, after everything the script sets) and
+    EXTRA_ARGS as one argument, on two nodes each shards inside a node (fsdp_size = GPUs per node), the cost
+    model is left at the plugin's default, and odc-plan's prediction for the script's own settings follows."""
+    user = ["trainer.total_training_steps=3", "trainer.experiment_name=mine x"]
+    runs, plan = _dry_run(script, *user, cwd=tmp_path, NNODES="2", NGPUS="4", EXTRA_ARGS="data.seed=1 2")
+    assert len(runs) == 2  # fsdp2, then odc
+    for run in runs:
+        assert run[-3:] == ["data.seed=1 2", *user]
+        assert "actor_rollout_ref.actor.fsdp_config.fsdp_size=4" in run
+        assert "actor_rollout_ref.ref.fsdp_config.fsdp_size=4" in run
+        assert "trainer.nnodes=2" in run and "trainer.logger=[console,file]" in run
+        assert not [arg for arg in run if "odc_cost_model" in arg]
+    assert "actor_rollout_ref.actor.strategy=fsdp2" in runs[0] and "model_engine=odc" in runs[1]
+    assert "--nodes 2 --gpus-per-node 4" in plan and "pick: " in plan, plan
+
+
+def test_example_dry_run_plans_with_a_local_model_and_data(tmp_path):
+    """One node, wandb on, EXTRA_ARGS an array of a script that sources the example, and MODEL a local
+    directory with preprocessed data: the prediction uses the model's config.json and its tokenizer's counts
+    of the data set's prompts."""
+    from odc_plugin.verl.cpu.assets import build_model, build_tokenizer, make_problems, write_parquet
+
+    problems = make_problems(32, seed=0)
+    tokenizer = build_tokenizer(problems)
+    tokenizer.save_pretrained(tmp_path / "model")
+    build_model(tokenizer, seed=0).config.save_pretrained(tmp_path / "model")
+    (tmp_path / "data").mkdir()
+    write_parquet(problems, str(tmp_path / "data" / "train.parquet"), "train")
+    wrapper = tmp_path / "mine.sh"
+    wrapper.write_text(
+        "EXTRA_ARGS=(data.seed=1 'trainer.experiment_name=a b')\n"
+        f"source {ROOT / 'examples' / 'grpo_gsm8k_qwen2.5_0.5b.sh'} trainer.total_training_steps=3\n"
+    )
+    env = {"MODEL": str(tmp_path / "model"), "DATA_DIR": str(tmp_path / "data"), "WANDB": "1", "STRATEGY": "odc"}
+    (run,), plan = _dry_run(str(wrapper), cwd=tmp_path, **env)
+    assert run[-3:] == ["data.seed=1", "trainer.experiment_name=a b", "trainer.total_training_steps=3"]
+    assert "trainer.logger=[console,file,wandb]" in run and not [a for a in run if "fsdp_size" in a]
+    assert f"--model {tmp_path / 'model'}" in plan and "--ranks 8" in plan
+    assert f"32 prompts of {tmp_path / 'data' / 'train.parquet'}:prompt (chat template of" in plan
+    assert "model_type qwen2" in plan and "ODC+LB-Mini" in plan

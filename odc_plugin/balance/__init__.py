@@ -13,6 +13,7 @@ from odc_plugin.balance.costs import (
     FitCost,
     FlopsCost,
     TokenCost,
+    VerlFlopsCost,
     get_cost_model,
 )
 from odc_plugin.balance.lb_micro import lb_micro, verl_rank_partition
@@ -28,6 +29,7 @@ __all__ = [
     "LengthSample",
     "RankPlan",
     "TokenCost",
+    "VerlFlopsCost",
     "balance_efficiency",
     "get_cost_model",
     "lb_micro",

@@ -3,15 +3,20 @@
 Balancing only needs costs that are proportional to the time a rank spends on a sequence, so each model
 answers "how much work is a sequence of length s" in its own unit (tokens, FLOPs, or whatever unit the
 calibration measured).
+
+The `flops` cost is verl's own count (`VerlFlopsCost`, the formulas of verl's FlopsCounter) wherever verl
+knows the model's architecture, and this module's `FlopsCost` otherwise. The package stays free of verl at
+import: `verl_flops_formula` is the one place it is imported, when a cost is built.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -84,21 +89,42 @@ MOE_PRESETS: dict[str, dict[str, int]] = {
         "vocab_size": 151936,
     },
 }
-PRESETS = {**QWEN2_5_PRESETS, **MOE_PRESETS}
+# Published config.json numbers of dense Qwen3 models (huggingface.co/Qwen/Qwen3-8B/blob/main/config.json).
+QWEN3_PRESETS: dict[str, dict[str, int]] = {
+    "Qwen3-8B": {
+        "num_hidden_layers": 36,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+    },
+}
+PRESETS = {**QWEN2_5_PRESETS, **QWEN3_PRESETS, **MOE_PRESETS}
+# Each preset's config.json model_type: which of verl's FlopsCounter formulas counts it.
+PRESET_MODEL_TYPES = {
+    **dict.fromkeys(QWEN2_5_PRESETS, "qwen2"),
+    **dict.fromkeys(QWEN3_PRESETS, "qwen3"),
+    **dict.fromkeys(MOE_PRESETS, "qwen3_moe"),
+}
 
 
 @dataclass(frozen=True)
 class FlopsCost(CostModel):
     """Training FLOPs of one sequence through a decoder-only transformer with SwiGLU MLPs, dense or
-    mixture-of-experts.
+    mixture-of-experts: the fallback of the `flops` cost for a model whose architecture verl's FlopsCounter
+    does not know (`flops_cost`).
 
     Per token, every weight matrix the token passes through costs 2 FLOPs per parameter (q/k/v/o
-    projections, the three MLP matrices and the LM head; embeddings and norms are negligible). In an MoE
-    layer a token passes through its `num_experts_per_tok` experts (and a shared expert, if any) and the
-    router, not through all experts: the active parameters, not the total, set the cost. Causal attention
-    adds QK^T and PV over the lower triangle, 2 * layers * heads * head_dim * s^2 FLOPs per sequence,
-    which is what makes long sequences expensive. Backward costs twice the forward, hence the factor 3;
-    activation recomputation would scale every sequence by the same 4/3 and so does not change any balance.
+    projections, the three MLP matrices and the LM head; norms are negligible); the input embedding, a
+    lookup, is counted like the head as verl's FlopsCounter counts it, so that on a dense model both counts
+    agree. In an MoE layer a token passes through its `num_experts_per_tok` experts (and a shared expert,
+    if any) and the router, not through all experts: the active parameters, not the total, set the cost.
+    Causal attention adds QK^T and PV over the lower triangle, 2 * layers * heads * head_dim * s^2 FLOPs
+    per sequence, which is what makes long sequences expensive. Backward costs twice the forward, hence the
+    factor 3; activation recomputation would scale every sequence by the same 4/3 and so does not change
+    any balance.
     """
 
     num_hidden_layers: int
@@ -181,7 +207,8 @@ class FlopsCost(CostModel):
         return 2 * self.num_hidden_layers * self.num_attention_heads * self.head_dim
 
     def __call__(self, seqlen: int) -> float:
-        return 3 * (self.linear_flops_per_token * seqlen + self.attention_flops_per_seqlen_squared * seqlen * seqlen)
+        per_token = self.linear_flops_per_token + 2 * self.hidden_size * self.vocab_size  # + the input embedding
+        return 3 * (per_token * seqlen + self.attention_flops_per_seqlen_squared * seqlen * seqlen)
 
 
 def _moe_fields(config: Mapping[str, Any]) -> dict[str, int]:
@@ -200,6 +227,127 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, int]:
         "moe_layers": sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
         "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
     }
+
+
+def model_config(model: str | Path | Mapping[str, Any] | Any) -> Mapping[str, Any] | Any:
+    """A model's config for the `flops` cost: a preset name (PRESETS, with its model_type), a directory
+    holding a Hugging Face config.json (or that file), a dict with HF key names, or a PretrainedConfig.
+
+    A config.json is read with transformers' AutoConfig (which fills each architecture's defaults, as the
+    trainer's config has them); one whose model_type transformers does not know stays a dict."""
+    if isinstance(model, str) and model in PRESETS:
+        return {**PRESETS[model], "model_type": PRESET_MODEL_TYPES[model]}
+    if not isinstance(model, (str, Path)):
+        if not (isinstance(model, Mapping) or hasattr(model, "to_dict")):
+            raise ValueError(f"model config must be a preset name, a dict or a PretrainedConfig, got {model!r}")
+        return model
+    path = Path(model).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if path.name != "config.json" or not path.is_file():
+        raise ValueError(
+            f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a directory holding a config.json"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path.parent))
+    except (ValueError, KeyError):  # a model_type this transformers does not know
+        return config
+
+
+def verl_flops_formula(model_type: str | None) -> Callable[..., float] | None:
+    """verl's FlopsCounter formula for a config.json model_type, None where verl has none.
+
+    The only import of verl in odc_plugin.balance, made here when a cost is built so that the package
+    (the planner, LB-Mini, the demo) imports without it. FlopsCounter keeps one formula per model_type in
+    `ESTIMATE_FUNC` and calls it as (config, tokens, sequence lengths, seconds) -> TFLOP/s; its own
+    `estimate_flops` also asks the device for its peak FLOP/s, which raises in a process without an
+    accelerator (the trainer's driver, odc-plan on a laptop), so the formula is called directly. Without
+    verl (the GPU check machine runs the benchmarks from the tree alone) the project's own formula serves.
+    """
+    try:
+        from verl.utils.flops_counter import ESTIMATE_FUNC
+    except ImportError:
+        return None
+
+    return ESTIMATE_FUNC.get(model_type)
+
+
+def _attribute_config(config: Mapping[str, Any] | Any) -> Any:
+    """The config as verl's formulas read it, by attribute: a dict (a preset) becomes its transformers
+    config class, which fills the architecture's defaults."""
+    if not isinstance(config, Mapping):
+        return config
+    from transformers import AutoConfig
+
+    options = {k: v for k, v in config.items() if k != "model_type"}
+    return AutoConfig.for_model(config["model_type"], **options)
+
+
+@dataclass(frozen=True)
+class VerlFlopsCost(CostModel):
+    """Training FLOPs of one sequence as verl's FlopsCounter counts them for its MFU metric, from the
+    model's Hugging Face config: every architecture verl knows (about 20 model types: dense, sliding-window
+    and hybrid attention, mixture of experts, multi-head latent attention).
+
+    verl's count is a sum over the sequences of a batch, so one sequence's cost is its count alone; each
+    length is counted once and remembered (a plan costs the same lengths many times).
+    """
+
+    config: Any  # a transformers PretrainedConfig whose model_type verl_flops_formula knows
+    _by_length: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+
+    name: ClassVar[str] = "flops"
+
+    def __post_init__(self):
+        if verl_flops_formula(self.model_type) is None:
+            raise ValueError(f"verl's FlopsCounter has no formula for model_type {self.model_type!r}")
+
+    @property
+    def model_type(self) -> str | None:
+        return getattr(self.config, "model_type", None)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        text = getattr(self.config, "text_config", None) or self.config  # multimodal configs nest the LM's
+        return int(text.num_hidden_layers)
+
+    def __call__(self, seqlen: int) -> float:
+        cost = self._by_length.get(seqlen)
+        if cost is None:
+            formula = verl_flops_formula(self.model_type)
+            cost = self._by_length[seqlen] = formula(self.config, seqlen, [seqlen], 1.0) * 1e12  # TFLOP in 1 s
+        return cost
+
+    def dense(self) -> VerlFlopsCost:
+        """The same model costed as if every token passed through every expert: the total parameters."""
+        experts = next(
+            (
+                getattr(self.config, k)
+                for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                if getattr(self.config, k, None)
+            ),
+            None,
+        )
+        if not experts:
+            return self
+        config = copy.deepcopy(self.config)
+        config.num_experts_per_tok = experts
+        return VerlFlopsCost(config)
+
+
+def flops_cost(model: str | Path | Mapping[str, Any] | Any = "Qwen2.5-7B") -> CostModel:
+    """The `flops` cost of a model (anything `model_config` takes): verl's FlopsCounter count where verl
+    knows the architecture (its model_type), FlopsCost's own formula otherwise."""
+    config = model_config(model)
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    if verl_flops_formula(model_type) is not None:
+        return VerlFlopsCost(_attribute_config(config))
+    return FlopsCost.from_config(config)
 
 
 @dataclass(frozen=True)
@@ -310,8 +458,9 @@ COST_MODELS = {m.name: m for m in (TokenCost, FlopsCost, FitCost)}
 
 
 def get_cost_model(cost: str | CostModel = "tokens", **kwargs: Any) -> CostModel:
-    """A cost model from its name: "tokens"; "flops" (model=preset name, dict or PretrainedConfig, default
-    Qwen2.5-7B); "fit" (a=..., b=..., or file=a CostCalibration JSON). A CostModel instance is returned as is."""
+    """A cost model from its name: "tokens"; "flops" (model=preset name, config.json directory, dict or
+    PretrainedConfig, default Qwen2.5-7B; see flops_cost); "fit" (a=..., b=..., or file=a CostCalibration
+    JSON). A CostModel instance is returned as is."""
     if isinstance(cost, CostModel):
         if kwargs:
             raise ValueError(f"options {sorted(kwargs)} given with an already built cost model {cost}")
@@ -320,7 +469,7 @@ def get_cost_model(cost: str | CostModel = "tokens", **kwargs: Any) -> CostModel
         raise ValueError(f"unknown cost model {cost!r}; expected a CostModel or one of {', '.join(COST_MODELS)}")
     try:
         if cost == "flops":
-            return FlopsCost.from_config(kwargs.pop("model", "Qwen2.5-7B"), **kwargs)
+            return flops_cost(kwargs.pop("model", "Qwen2.5-7B"), **kwargs)
         if cost == "fit" and "file" in kwargs:
             return FitCost.from_file(kwargs.pop("file"), **kwargs)
         return COST_MODELS[cost](**kwargs)

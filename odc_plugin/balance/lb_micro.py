@@ -6,7 +6,11 @@ batch, and each mini-batch only on average), then each rank splits its share int
 the token budget with rearrange_micro_batches, which all-reduces the micro-batch count so that every
 rank runs the same number of micro-batches in lockstep. Both steps call verl's functions; only the
 all-reduce is replayed here, since there is no process group. (_balance_batch also reorders each share,
-which only changes how rearrange_micro_batches breaks ties between equal workloads.)
+which only changes how rearrange_micro_batches breaks ties between equal workloads.) With a fixed
+micro-batch size (no dynamic batch size) each rank cuts its share in order into pieces of that size.
+
+`verl_micro_batches` is verl's packing of one rank's share as the ODC engine runs it (no agreement on the
+count), which LB-Mini's plans use too.
 """
 
 from __future__ import annotations
@@ -33,10 +37,21 @@ def verl_rank_partition(seqlens: Sequence[int], dp_size: int) -> list[list[int]]
     return get_seqlen_balanced_partitions(workloads, k_partitions=dp_size, equal_size=True)
 
 
-def lb_micro(seqlens: Sequence[int], dp_size: int, max_token_len: int) -> RankPlan:
-    """Per rank, micro-batches of sample indices in verl's execution order; the same count on every rank."""
+def lb_micro(seqlens: Sequence[int], dp_size: int, max_token_len: int, micro_batch_size: int | None = None) -> RankPlan:
+    """Per rank, micro-batches of sample indices in verl's execution order; the same count on every rank.
+
+    With `micro_batch_size` (verl's `ppo_micro_batch_size_per_gpu`, no dynamic batch size) every micro-batch
+    holds that many samples, whatever their tokens, as verl's prepare_micro_batches cuts a share."""
     lens = check_minibatch(seqlens, dp_size, max_token_len)
     ranks = verl_rank_partition(lens, dp_size)
+    if micro_batch_size is not None:
+        per_rank = len(lens) // dp_size
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or per_rank % micro_batch_size:
+            raise ValueError(
+                f"verl cuts each rank's {per_rank} samples into micro-batches of micro_batch_size samples, which "
+                f"must divide them; got micro_batch_size={micro_batch_size!r}"
+            )
+        return [[rank[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)] for rank in ranks]
     batches = [_as_verl_batch([lens[i] for i in rank]) for rank in ranks]
     # At least one micro-batch: verl derives the count from the token total, which is 0 for a rank of empty samples.
     local = [_split(b, max_token_len, 1) for b in batches]
@@ -51,18 +66,25 @@ def lb_micro(seqlens: Sequence[int], dp_size: int, max_token_len: int) -> RankPl
     return [[[rank[i] for i in mb] for mb in m] for rank, m in zip(ranks, local)]
 
 
-def _as_verl_batch(lens: list[int]):
-    """The remove-padding layout verl's engine hands to rearrange_micro_batches: jagged input_ids.
+def verl_micro_batches(seqlens: Sequence[int], max_token_len: int) -> list[list[int]]:
+    """One rank's micro-batches (indices into seqlens, each at most max_token_len) as the ODC engine packs
+    its share: verl's rearrange_micro_batches under the token budget, without agreeing on their number with
+    other ranks (what the engine's prepare_micro_batches call does with same_micro_num_in_dp=False)."""
+    lens = list(seqlens)
+    return _split(_as_verl_batch(lens), max_token_len, 1) if lens else []
 
-    The token values are never read, so one zero is broadcast over all of them instead of allocated.
-    """
+
+def _as_verl_batch(lens: list[int]):
+    """A batch that rearrange_micro_batches reads as sequences of these lengths, in its padded layout: a
+    sequence's length is its attention mask's row sum, and the mask is only summed, so each row is one
+    column holding the length. The engines' jagged layout gives the same lengths (tests/balance checks the
+    packings against it); one column keeps the micro-batches verl cuts from this batch, which are thrown
+    away, cheap (the jagged ones cost most of a plan's time)."""
     import torch
     from tensordict import TensorDict
 
-    offsets = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
-    values = torch.zeros(1, dtype=torch.uint8).expand(int(offsets[-1]))
-    input_ids = torch.nested.nested_tensor_from_jagged(values, offsets)
-    return TensorDict({"input_ids": input_ids}, batch_size=[len(lens)])
+    column = torch.tensor(lens, dtype=torch.long)[:, None]
+    return TensorDict({"input_ids": torch.zeros_like(column), "attention_mask": column}, batch_size=[len(lens)])
 
 
 def _split(batch, max_token_len: int, min_num_micro_batch: int) -> list[list[int]]:

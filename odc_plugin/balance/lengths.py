@@ -1,10 +1,19 @@
-"""Sequence lengths to balance: read from files, or drawn from generators shaped like real workloads."""
+"""Sequence lengths to balance: read from files, or drawn from generators shaped like real workloads.
+
+What a verl user has is read as verl writes it: a data set's prompt column (chat messages, counted with the
+model's chat template as verl's RLHFDataset counts them), the rollouts `trainer.rollout_data_dir` dumps
+each step, and the `response_length/*` and `prompt_length/*` statistics verl's `file` logger writes each
+step. `plan_lengths` turns any of them into the planner's `LengthSource`.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
@@ -93,7 +102,7 @@ def sft_long_context_like(
 def load_lengths(spec: str) -> list[int]:
     """Lengths from `file.json` (a list of ints), `file.parquet:column` (ints, or token lists whose lengths
     are taken) or any other file with one int per line."""
-    path, _, column = spec.rpartition(":") if ".parquet:" in spec else (spec, "", "")
+    path, column = _split_spec(spec)
     if not Path(path).is_file():
         raise ValueError(f"length file {path!r} not found")
     if column:
@@ -120,20 +129,306 @@ def load_lengths(spec: str) -> list[int]:
     return values
 
 
-def _parquet_lengths(path: str, column: str) -> list:
-    import pyarrow as pa
-    import pyarrow.compute as pc
+def _split_spec(spec: str) -> tuple[str, str]:
+    """(path, column) of `file.parquet:column`, (spec, "") of anything else."""
+    return tuple(spec.rsplit(":", 1)) if ".parquet:" in spec else (spec, "")
+
+
+def _parquet_column(path: str, column: str):
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(path)
     if column not in schema.names:
         raise ValueError(f"{path} has no column {column!r}; columns: {', '.join(schema.names)}")
-    data = pq.read_table(path, columns=[column]).column(column)
+    return pq.read_table(path, columns=[column]).column(column)
+
+
+def _is_chat(data_type) -> bool:
+    """A list of {role, content} messages: the prompt column of verl's RL data sets."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(data_type) or pa.types.is_large_list(data_type)):
+        return False
+    item = data_type.value_type
+    return pa.types.is_struct(item) and {"role", "content"} <= {item.field(i).name for i in range(item.num_fields)}
+
+
+def _parquet_lengths(path: str, column: str) -> list:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    data = _parquet_column(path, column)
+    if _is_chat(data.type):
+        raise ValueError(
+            f"{path}:{column} is {data.type}, chat messages (a prompt), not token counts; give --tokenizer MODEL_DIR "
+            "to count its tokens with the model's chat template"
+        )
     if pa.types.is_list(data.type) or pa.types.is_large_list(data.type):
+        if not pa.types.is_integer(data.type.value_type):
+            raise ValueError(f"{path}:{column} is {data.type}; expected integer lengths or lists of token ids")
         data = pc.list_value_length(data)
     elif not pa.types.is_integer(data.type):
-        raise ValueError(f"{path}:{column} is {data.type}; expected integer lengths or lists of tokens")
+        raise ValueError(f"{path}:{column} is {data.type}; expected integer lengths or lists of token ids")
     return data.to_pylist()
+
+
+def load_tokenizer(path: str):
+    """A model directory's tokenizer (transformers' AutoTokenizer, files only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no tokenizer in {path!r}: {str(e).splitlines()[0]}") from None
+
+
+def prompt_lengths(spec: str, tokenizer) -> list[int]:
+    """Token counts of the prompts of a verl data set, `file.parquet:column` (a column of chat messages, as
+    verl's data preprocessing writes `prompt`): each rendered with the tokenizer's chat template and a
+    generation prompt and then tokenized without special tokens, as verl's RLHFDataset counts a prompt
+    (`filter_overlong_prompts`) and its agent loop tokenizes it for the rollout."""
+    path, column = _split_spec(spec)
+    if not column or not Path(path).is_file():
+        raise ValueError(f"{spec!r}: expected FILE.parquet:COLUMN of an existing file")
+    data = _parquet_column(path, column)
+    if not _is_chat(data.type):
+        raise ValueError(f"{path}:{column} is {data.type}; --tokenizer counts a column of chat messages")
+    texts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for messages in data.to_pylist()
+    ]
+    return token_counts(texts, tokenizer)
+
+
+def token_counts(texts: Sequence[str], tokenizer) -> list[int]:
+    """Tokens of each text, without the special tokens a tokenizer adds around a whole input."""
+    return [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def rollout_dump_lengths(path: str, tokenizer) -> dict[int, list[int]]:
+    """Per training step, each rollout's prompt + response tokens from what verl dumps with
+    `trainer.rollout_data_dir` (a directory of `<step>.jsonl`, or one such file): one JSON line per rollout,
+    its prompt (`input`) and response (`output`) decoded without special tokens. Counted again with the
+    tokenizer, so each rollout is short of the special tokens the decoding dropped (the chat template's
+    markers, the end of sequence): a few tokens out of hundreds."""
+    root = Path(path)
+    files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
+    files = [f for f in files if f.stem.isdigit()]
+    if not files:
+        raise ValueError(f"{path}: no <step>.jsonl files of a verl rollout dump (trainer.rollout_data_dir)")
+    steps = {}
+    for file in sorted(files, key=lambda f: int(f.stem)):
+        inputs, outputs = [], []
+        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                inputs.append(str(record["input"]))
+                outputs.append(str(record["output"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(
+                    f"{file}:{number}: not a verl rollout dump line (JSON with input and output)"
+                ) from None
+        if inputs:
+            counts = token_counts(inputs + outputs, tokenizer)
+            steps[int(file.stem)] = [p + r for p, r in zip(counts[: len(inputs)], counts[len(inputs) :])]
+    if not steps:
+        raise ValueError(f"{path}: the rollout dump holds no rollouts")
+    return steps
+
+
+@dataclass(frozen=True)
+class LoggedLengths:
+    """The length statistics verl logs per step for prompts or responses (`<name>/mean`, `/max`, `/min`,
+    `/clip_ratio`: the share at the maximum length), modelled as a lognormal clipped to [min, max].
+
+    With a clip ratio c in (0, 1) the maximum is the cap: the fit puts c of the mass at or above it and
+    matches the clipped mean. With none clipped, the largest of `samples` draws is taken to be the
+    1 - 1/(samples + 1) quantile, and the mean is matched.
+    """
+
+    mean: float
+    max: float
+    min: float
+    clip_ratio: float
+    samples: int
+
+    def sigma_mu(self) -> tuple[float, float]:
+        """The lognormal's (sigma, mu); sigma 0 when every value is the same."""
+        if self.max <= self.min or self.mean >= self.max or self.clip_ratio >= 1:
+            return 0.0, math.log(max(self.max, 1.0))
+        cap = math.log(self.max)
+        if self.clip_ratio > 0:
+            z = NormalDist().inv_cdf(1 - self.clip_ratio)
+            # E[min(X, max)] / max = exp(s^2/2 - s z) Phi(z - s) + clip_ratio, decreasing in s from 1 to clip_ratio
+            target = self.mean / self.max - self.clip_ratio
+            lo, hi = 1e-6, 10.0
+            for _ in range(100):
+                s = (lo + hi) / 2
+                lo, hi = (s, hi) if math.exp(s * s / 2 - s * z) * NormalDist().cdf(z - s) > target else (lo, s)
+            sigma = (lo + hi) / 2
+        else:
+            z = NormalDist().inv_cdf(1 - 1 / (self.samples + 1))
+            # exp(mu + s^2/2) = mean with mu = ln(max) - s z: the smaller root of s^2/2 - s z + ln(max/mean) = 0
+            sigma = z - math.sqrt(max(z * z - 2 * math.log(self.max / max(self.mean, 1.0)), 0.0))
+        return sigma, cap - sigma * z
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        sigma, mu = self.sigma_mu()
+        values = np.exp(mu + sigma * rng.standard_normal(n))
+        return np.clip(np.rint(values), max(self.min, 0), self.max).astype(int)
+
+
+def logged_step_lengths(path: str) -> dict[int, tuple[LoggedLengths, LoggedLengths]]:
+    """Per training step, (prompt, response) length statistics from verl's `file` logger output
+    (`trainer.logger=[...,file]`: one JSON line {"step", "data"} per step). A step's sample count is its
+    `perf/total_num_tokens` over its mean prompt + response length."""
+    # The A/B report's reader of the same file (pure Python, no verl import).
+    from odc_plugin.verl.ab_report import ReportError, read_metrics
+
+    try:
+        records = read_metrics(path)
+    except ReportError as e:
+        raise ValueError(str(e)) from None
+    steps = {}
+    for step, data in records.items():
+        keys = [f"{name}/{stat}" for name in ("prompt_length", "response_length") for stat in ("mean", "max", "min")]
+        if not all(k in data for k in keys):
+            continue  # a record without the trainer's batch metrics (e.g. a validation-only line)
+        per_sample = data["prompt_length/mean"] + data["response_length/mean"]
+        samples = round(data.get("perf/total_num_tokens", 0) / per_sample) if per_sample else 0
+        steps[step] = tuple(
+            LoggedLengths(
+                data[f"{name}/mean"],
+                data[f"{name}/max"],
+                data[f"{name}/min"],
+                data.get(f"{name}/clip_ratio", 0.0),
+                max(samples, 2),  # the quantile of the largest of one draw would be the median
+            )
+            for name in ("prompt_length", "response_length")
+        )
+    if not steps:
+        raise ValueError(f"{path}: no step with verl's prompt_length/* and response_length/* metrics")
+    return steps
+
+
+@dataclass(frozen=True)
+class LengthSource:
+    """Sequence lengths (prompt + response) to plan with: `draw(n, seed)` gives one mini-batch of n.
+
+    For a run (`steps` > 0) the seed picks the step, in the run's order, and the mini-batch is n of that
+    step's sequences; `step_samples` is the smallest step's sequence count (estimated from the tokens when
+    the run logged statistics, of which any n can be drawn; a dumped step holds only its own rollouts)."""
+
+    draw: Callable[[int, int], list[int]]
+    longest: int
+    what: str
+    steps: int = 0
+    step_samples: int | None = None
+
+
+def plan_lengths(
+    spec: str,
+    *,
+    tokenizer: str | None = None,
+    max_prompt_length: int = 512,
+    max_response_length: int = 4096,
+    max_length: int = 32768,
+) -> LengthSource:
+    """The lengths `odc-plan --lengths` names: `rl` or `sft` (the generators above), a verl data set's chat
+    column `FILE.parquet:prompt` with a tokenizer (its prompts, each with a response drawn as `rl` draws
+    them), a rollout dump directory or file (needs the tokenizer), verl's `file` logger output, or a file
+    of lengths (load_lengths, sampled with replacement).
+
+    Long because it is one branch per kind of input, each a few lines."""
+    if spec == "rl":
+
+        def draw(n, seed):
+            return rl_math_like(
+                n, max_prompt_length=max_prompt_length, max_response_length=max_response_length, seed=seed
+            ).total
+
+        return LengthSource(
+            draw,
+            max_prompt_length + max_response_length,
+            f"rl profile (prompts up to {max_prompt_length}, responses up to {max_response_length} tokens)",
+        )
+    if spec == "sft":
+        return LengthSource(
+            lambda n, seed: sft_long_context_like(n, max_length=max_length, seed=seed).total,
+            max_length,
+            f"sft profile (up to {max_length} tokens)",
+        )
+    path, column = _split_spec(spec)
+    if column and tokenizer:
+        prompts = np.asarray(prompt_lengths(spec, load_tokenizer(tokenizer)))
+
+        def draw(n, seed):
+            responses = rl_math_like(n, max_response_length=max_response_length, seed=seed).response_lens
+            return (np.random.default_rng(seed).choice(prompts, n) + responses).tolist()
+
+        return LengthSource(
+            draw,
+            int(prompts.max()) + max_response_length,
+            f"{len(prompts)} prompts of {spec} (chat template of {tokenizer}) + rl-profile responses up to "
+            f"{max_response_length} tokens",
+        )
+    if Path(path).is_dir() or _first_record_keys(path) >= {"input", "output"}:
+        if not tokenizer:
+            raise ValueError(f"{path} is a verl rollout dump (text); give --tokenizer MODEL_DIR to count its tokens")
+        steps = list(rollout_dump_lengths(path, load_tokenizer(tokenizer)).values())
+
+        def draw(n, seed):
+            step = steps[seed % len(steps)]
+            if n > len(step):
+                raise ValueError(f"a mini-batch of {n} is more than the {len(step)} rollouts of a step of {path}")
+            return np.random.default_rng(seed).choice(step, n, replace=False).tolist()
+
+        return LengthSource(
+            draw,
+            max(max(step) for step in steps),
+            f"{len(steps)} steps of rollouts verl dumped in {path} (tokens counted with {tokenizer})",
+            steps=len(steps),
+            step_samples=min(len(step) for step in steps),
+        )
+    if _first_record_keys(path) >= {"step", "data"}:
+        logged = list(logged_step_lengths(path).values())
+
+        def draw(n, seed):
+            rng = np.random.default_rng(seed)
+            prompt, response = logged[seed % len(logged)]
+            return (prompt.draw(n, rng) + response.draw(n, rng)).tolist()
+
+        return LengthSource(
+            draw,
+            int(max(p.max + r.max for p, r in logged)),
+            f"{len(logged)} steps of {path} (verl's file logger): lognormal prompt and response lengths fitted "
+            "to each step's logged mean, max, min and clip ratio",
+            steps=len(logged),
+            step_samples=min(p.samples for p, _ in logged),
+        )
+    lengths = np.asarray(load_lengths(spec))
+    return LengthSource(
+        lambda n, seed: np.random.default_rng(seed).choice(lengths, n).tolist(),
+        int(lengths.max()),
+        f"{len(lengths)} lengths of {spec}",
+    )
+
+
+def _first_record_keys(path: str) -> set[str]:
+    """The keys of a JSON-lines file's first record (empty for anything else)."""
+    if not path.endswith(".jsonl") or not Path(path).is_file():
+        return set()
+    with open(path, encoding="utf-8") as fp:
+        for line in fp:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return set()
+                return set(record) if isinstance(record, dict) else set()
+    return set()
 
 
 def _check_count(num_samples: int) -> None:

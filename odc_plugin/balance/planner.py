@@ -6,9 +6,18 @@ as the slowest rank's own sum. Work outside the micro-batch loop (optimizer step
 reduction) is the same in all three and left out.
 
     odc-plan --lengths rl --cost flops --model Qwen2.5-7B
-    odc-plan --lengths data.parquet:num_tokens --ranks 16 32 --minibatch-sizes 512 --json
+    odc-plan --lengths ~/data/math/train.parquet:prompt --tokenizer MODEL_DIR --model MODEL_DIR
+    odc-plan --lengths ROLLOUT_DATA_DIR --tokenizer MODEL_DIR --ranks 8 --minibatch-sizes 1280
+    odc-plan --lengths run.jsonl --ranks 8 --minibatch-sizes 1280 --micro-batch-size 16
     odc-plan --cost fit --fit-file configs/cost_fit/Qwen2.5-7B-H100.json
     odc-plan --sp 2 4 --lengths rl --max-response-length 32768 --ranks 8 32
+
+Lengths (`--lengths`): a profile (`rl`, `sft`); a verl data set's prompt column with the model's tokenizer
+(prompts counted with its chat template, responses drawn as `rl` draws them); what a verl run wrote, planned
+step by step: its rollout dumps (`trainer.rollout_data_dir`, with `--tokenizer`) or its metrics file
+(`trainer.logger=[...,file]`: each step's logged prompt and response lengths); or a file of lengths.
+`--model` is a preset or a model directory's config.json: the `flops` cost is then verl's FlopsCounter for
+any architecture verl knows (odc_plugin.balance.costs.flops_cost).
 
 With Ulysses sequence parallelism (`--sp N`, verl's `ulysses_sequence_parallel_size`) the unit that
 FSDP holds in lockstep and LB-Mini balances is a group of N GPUs: ranks / N groups, each computing its
@@ -30,10 +39,8 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-import numpy as np
-
-from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, FlopsCost, get_cost_model
-from odc_plugin.balance.lengths import load_lengths, rl_math_like, sft_long_context_like
+from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, VerlFlopsCost, get_cost_model
+from odc_plugin.balance.lengths import LengthSource, plan_lengths
 from odc_plugin.balance.plan_report import format_table, plot, print_cluster
 from odc_plugin.balance.step_time import (
     IB_BW,
@@ -51,20 +58,11 @@ def length_source(
     spec: str, *, max_prompt_length: int = 512, max_response_length: int = 4096, max_length: int = 32768
 ) -> tuple[Callable[[int, int], list[int]], int]:
     """`draw(n, seed)` for "rl", "sft" or a load_lengths spec (sampled with replacement), and the longest
-    length it can return."""
-    if spec == "rl":
-
-        def draw(n, seed):
-            sample = rl_math_like(
-                n, max_prompt_length=max_prompt_length, max_response_length=max_response_length, seed=seed
-            )
-            return sample.total
-
-        return draw, max_prompt_length + max_response_length
-    if spec == "sft":
-        return (lambda n, seed: sft_long_context_like(n, max_length=max_length, seed=seed).total), max_length
-    lengths = np.asarray(load_lengths(spec))
-    return (lambda n, seed: np.random.default_rng(seed).choice(lengths, n).tolist()), int(lengths.max())
+    length it can return (plan_lengths, for the callers that need no more)."""
+    source = plan_lengths(
+        spec, max_prompt_length=max_prompt_length, max_response_length=max_response_length, max_length=max_length
+    )
+    return source.draw, source.longest
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,7 +70,18 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         allow_abbrev=False, prog="odc-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--lengths", default="rl", help="rl, sft, or FILE.json / FILE.txt / FILE.parquet:COLUMN")
+    p.add_argument(
+        "--lengths",
+        default="rl",
+        help="rl, sft, a verl data set's DATA.parquet:prompt (with --tokenizer), a verl rollout dump directory "
+        "(trainer.rollout_data_dir, with --tokenizer), verl's metrics file (file logger, .jsonl), or "
+        "FILE.json / FILE.txt / FILE.parquet:COLUMN of lengths or token ids",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="MODEL_DIR",
+        help="count the tokens of a data set's chat prompts or of a rollout dump with this model's tokenizer",
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64], help="GPUs")
     p.add_argument(
         "--sp",
@@ -82,10 +91,26 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="Ulysses sequence-parallel sizes (ulysses_sequence_parallel_size); rows per size",
     )
-    p.add_argument("--minibatch-sizes", type=int, nargs="+", default=[256, 512, 1024], help="samples per mini-batch")
+    p.add_argument(
+        "--minibatch-sizes",
+        type=int,
+        nargs="+",
+        help="samples per mini-batch (ppo_mini_batch_size x rollout.n); default 256 512 1024, for a run's "
+        "lengths its step",
+    )
     p.add_argument("--max-token-len", type=int, help="ppo_max_token_len_per_gpu; default max(16384, longest)")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        metavar="N",
+        help="ppo_micro_batch_size_per_gpu: fixed micro-batches of N samples instead of dynamic batch size",
+    )
     p.add_argument("--cost", default="flops", choices=["tokens", "flops", "fit"])
-    p.add_argument("--model", default="Qwen2.5-7B", choices=list(PRESETS), help="for --cost flops")
+    p.add_argument(
+        "--model",
+        default="Qwen2.5-7B",
+        help=f"for --cost flops: a preset ({', '.join(PRESETS)}) or a model directory with a config.json",
+    )
     p.add_argument(
         "--moe-flops",
         choices=["active", "total"],
@@ -127,9 +152,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-params", type=float, help="for --nodes: parameters to communicate; default --model's")
     p.add_argument("--max-prompt-length", type=int, default=512, help="for --lengths rl")
-    p.add_argument("--max-response-length", type=int, default=4096, help="for --lengths rl")
+    p.add_argument(
+        "--max-response-length", type=int, default=4096, help="for --lengths rl and a data set's prompts' responses"
+    )
     p.add_argument("--max-length", type=int, default=32768, help="for --lengths sft")
-    p.add_argument("--draws", type=int, default=5, help="mini-batches averaged per row")
+    p.add_argument("--draws", type=int, help="mini-batches averaged per row; default 5, for a run's lengths its steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot speedup and idle fraction")
@@ -151,7 +178,7 @@ def _cost_and_model(args) -> tuple[CostModel, StepTimeModel]:
             args.cost,
             **{"flops": {"model": args.model}, "fit": {"a": args.fit_a, "b": args.fit_b}}.get(args.cost, {}),
         )
-        if args.moe_flops == "total" and isinstance(cost, FlopsCost):
+        if args.moe_flops == "total" and hasattr(cost, "dense"):
             cost = cost.dense()
     model = StepTimeModel(
         throughput=args.throughput or (4e14 if args.cost == "flops" else 1.0),
@@ -164,17 +191,44 @@ def _cost_and_model(args) -> tuple[CostModel, StepTimeModel]:
     return cost, model
 
 
-def _print_table(args, rows, max_token_len: int, throughput: float) -> None:
+def _lengths(args) -> LengthSource:
+    """The lengths the arguments name; fills in the defaults that depend on them (a run's mini-batch is its
+    step, its draws are its steps)."""
+    source = plan_lengths(
+        args.lengths,
+        tokenizer=args.tokenizer,
+        max_prompt_length=args.max_prompt_length,
+        max_response_length=args.max_response_length,
+        max_length=args.max_length,
+    )
+    if args.minibatch_sizes is None:
+        args.minibatch_sizes = [source.step_samples] if source.steps and source.step_samples else [256, 512, 1024]
+    if args.draws is None:
+        args.draws = source.steps or 5
+    return source
+
+
+def _cost_text(args, cost: CostModel) -> str:
+    """The cost model, saying which FLOPs formula counts the model."""
+    if isinstance(cost, VerlFlopsCost):
+        return f"flops (verl's FlopsCounter, model_type {cost.model_type}, {args.model})"
+    if args.cost == "flops":
+        return f"flops (odc_plugin's own formula: verl's FlopsCounter does not know {args.model})"
+    return args.cost
+
+
+def _print_table(args, source: LengthSource, cost: str, rows, max_token_len: int, throughput: float) -> None:
+    batching = (
+        f"micro_batch_size={args.micro_batch_size}" if args.micro_batch_size else f"max_token_len={max_token_len}"
+    )
     if args.json:
         rows_json = [asdict(r) | {"speedup": {s: r.speedup(s) for s in SCHEMES}} for r in rows]
-        print(
-            json.dumps({"lengths": args.lengths, "cost": args.cost, "max_token_len": max_token_len, "rows": rows_json})
-        )
+        header = {"lengths": args.lengths, "lengths_from": source.what, "cost": args.cost, "cost_model": cost}
+        batch = {"max_token_len": max_token_len, "micro_batch_size": args.micro_batch_size}
+        print(json.dumps({**header, **batch, "rows": rows_json}))
         return
-    print(
-        f"lengths={args.lengths} cost={args.cost} max_token_len={max_token_len} draws={args.draws}; "
-        f"time = cost / {throughput:g} per second"
-    )
+    print(f"lengths: {source.what}")
+    print(f"cost={cost} {batching} draws={args.draws}; time = cost / {throughput:g} per second")
     if any(sp > 1 for sp in args.sp):
         print(
             "sp: Ulysses group size; 'per rank' is then per group, whose micro-batches hold sp x max_token_len tokens"
@@ -194,15 +248,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--cost fit takes --fit-file or --fit-a and --fit-b, not both")
     if args.cost == "fit" and not args.fit_file and (args.fit_a is None or args.fit_b is None):
         p.error("--cost fit needs --fit-file, or --fit-a and --fit-b")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        p.error(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     try:
         cost, model = _cost_and_model(args)
-        draw, longest = length_source(
-            args.lengths,
-            max_prompt_length=args.max_prompt_length,
-            max_response_length=args.max_response_length,
-            max_length=args.max_length,
-        )
-        max_token_len = args.max_token_len or max(16384, longest)
+        source = _lengths(args)
+        max_token_len = args.max_token_len or max(16384, source.longest)
         if args.nodes:
             cluster = ClusterModel(
                 args.model_params or model_params(args.model),
@@ -211,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.inter_node_bw,
             )
             rows = cluster_table(
-                draw,
+                source.draw,
                 args.nodes,
                 args.minibatch_sizes,
                 max_token_len,
@@ -220,12 +271,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                 model.throughput,
                 args.draws,
                 args.seed,
+                micro_batch_size=args.micro_batch_size,
             )
         else:
             if any(sp < 1 for sp in args.sp):
                 raise ValueError(f"--sp sizes must be >= 1, got {args.sp}")
             rows = plan_table(
-                draw, args.ranks, args.minibatch_sizes, max_token_len, cost, model, args.draws, args.seed, args.sp
+                source.draw,
+                args.ranks,
+                args.minibatch_sizes,
+                max_token_len,
+                cost,
+                model,
+                args.draws,
+                args.seed,
+                args.sp,
+                micro_batch_size=args.micro_batch_size,
             )
     except ValueError as e:
         p.error(str(e))
@@ -233,8 +294,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print_cluster(
             rows,
             cluster,
-            lengths=args.lengths,
-            cost=args.cost,
+            lengths=source.what,
+            cost=_cost_text(args, cost),
             draws=args.draws,
             max_token_len=max_token_len,
             throughput=model.throughput,
@@ -242,8 +303,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         return
     if not rows:
-        p.error("no mini-batch size divides evenly over any rank count")
-    _print_table(args, rows, max_token_len, model.throughput)
+        per_rank = f" into micro-batches of {args.micro_batch_size}" if args.micro_batch_size else ""
+        p.error(f"no mini-batch size divides evenly over any rank count{per_rank}")
+    _print_table(args, source, _cost_text(args, cost), rows, max_token_len, model.throughput)
     if args.plot:
         plot(rows, args.plot, title=f"{args.lengths}, cost={args.cost}, max_token_len={max_token_len}")
 

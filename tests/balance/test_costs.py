@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from odc_plugin.balance import QWEN2_5_PRESETS, FitCost, FlopsCost, TokenCost, get_cost_model
+from odc_plugin.balance import QWEN2_5_PRESETS, FitCost, FlopsCost, TokenCost, VerlFlopsCost, get_cost_model
 
 TINY = {
     "num_hidden_layers": 2,
@@ -33,7 +33,21 @@ def test_flops_linear_term_is_two_flops_per_weight_forward_six_for_training():
     # Causal attention: QK^T and PV each take s*s/2 multiply-adds (2 FLOPs) per head dim, head and layer.
     s, layers, heads, head_dim = 1000, 2, 4, 16
     attention = 2 * (2 * s * s // 2) * head_dim * heads * layers
-    assert cost(s) == 3 * (2 * weights * s + attention)
+    embedding = 2 * model.model.embed_tokens.weight.numel()  # a lookup, counted like the head as verl counts it
+    assert cost(s) == 3 * ((2 * weights + embedding) * s + attention)
+
+
+@pytest.mark.parametrize("config", [*QWEN2_5_PRESETS, "Qwen3-8B", "tiny"])
+def test_verls_flops_counter_and_the_own_formula_agree_on_dense_qwen(config):
+    """The flops cost of a dense Qwen is verl's FlopsCounter count; the own formula, its fallback for an
+    architecture verl does not know, gives the same."""
+    from transformers import Qwen2Config
+
+    model = Qwen2Config(**TINY) if config == "tiny" else config
+    verl, own = get_cost_model("flops", model=model), FlopsCost.from_config(model)
+    assert isinstance(verl, VerlFlopsCost)
+    lengths = [1, 100, 4096, 32768]
+    assert verl.costs(lengths) == pytest.approx(own.costs(lengths), rel=1e-12)
 
 
 def test_qwen2_5_7b_preset_matches_published_parameter_count():
@@ -54,8 +68,9 @@ def test_presets_dict_and_pretrained_config_agree(name):
 
 def test_get_cost_model():
     assert get_cost_model() == TokenCost()
-    assert get_cost_model("flops") == FlopsCost.from_config("Qwen2.5-7B")
-    assert get_cost_model("flops", model=TINY) == FlopsCost(**TINY)
+    assert get_cost_model("flops") == get_cost_model("flops", model="Qwen2.5-7B")
+    assert get_cost_model("flops").model_type == "qwen2"
+    assert get_cost_model("flops", model=TINY) == FlopsCost(**TINY)  # no model_type: the own formula
     assert get_cost_model("fit", a=1, b=2) == FitCost(1, 2)
     fit = FitCost(1, 2)
     assert get_cost_model(fit) is fit
@@ -67,7 +82,7 @@ def test_get_cost_model():
         (("bogus",), {}, "unknown cost model 'bogus'"),
         (("fit",), {}, "bad options for the 'fit' cost model"),
         (("fit",), {"a": -1, "b": 1}, "a >= 0"),
-        (("flops",), {"model": "Qwen9"}, "unknown model preset 'Qwen9'"),
+        (("flops",), {"model": "Qwen9"}, "model 'Qwen9' is neither a preset \\(Qwen2.5-0.5B, .*\\) nor a directory"),
         (("flops",), {"model": {"hidden_size": 8}}, "lacks num_hidden_layers"),
         (("flops",), {"model": 5}, "must be a preset name, a dict or a PretrainedConfig, got 5"),
         ((TokenCost(),), {"a": 1}, "already built"),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions, rearrange_micro_batches
 
-from odc_plugin.balance import lb_micro, rl_math_like
+from odc_plugin.balance import lb_micro, rl_math_like, verl_rank_partition
 from odc_plugin.launch import run_ranks
 
 from .verl_ranks import rearrange_on_rank
@@ -74,6 +74,22 @@ def test_matches_rearrange_micro_batches_over_a_gloo_group():
         assert got == plan, c
     # In some case the ranks alone would pick different counts, so the shared count is really negotiated.
     assert any(len({len(lb_micro(lens, 1, budget)[0]) for lens in per_rank}) > 1 for per_rank, budget in cases)
+
+
+def test_fixed_micro_batch_size_cuts_verls_shares_in_order():
+    """Without dynamic batch size verl's prepare_micro_batches cuts each rank's share into equal pieces."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    lens = rl_math_like(24, seed=3).total
+    plan = lb_micro(lens, 3, 16384, micro_batch_size=4)
+    for rank, share in zip(plan, verl_rank_partition(lens, 3)):
+        data = TensorDict({"position": torch.tensor(share)}, batch_size=[len(share)])
+        tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
+        micro_batches, _ = prepare_micro_batches(data)
+        assert rank == [mb["position"].tolist() for mb in micro_batches]
+    with pytest.raises(ValueError, match="each rank's 8 samples into micro-batches of micro_batch_size samples"):
+        lb_micro(lens, 3, 16384, micro_batch_size=3)
 
 
 @pytest.mark.parametrize(

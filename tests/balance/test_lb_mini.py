@@ -1,12 +1,19 @@
-"""LB-Mini: plan invariants (hypothesis), input errors, and balance against verl's equal-size partition."""
+"""LB-Mini: plan invariants (hypothesis), input errors, balance against verl's equal-size partition, its
+Karmarkar-Karp against verl's, and its micro-batches against the packing verl's engine runs."""
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.seqlen_balancing import karmarkar_karp
+from verl.workers.engine.utils import prepare_micro_batches
 
 from odc_plugin.balance import (
     FitCost,
@@ -17,6 +24,7 @@ from odc_plugin.balance import (
     sft_long_context_like,
     verl_rank_partition,
 )
+from odc_plugin.balance.lb_mini import _largest_differencing
 
 COSTS = ["tokens", "flops", FitCost(a=1e-3, b=1.0)]
 
@@ -35,11 +43,8 @@ def check_plan(plan, lens, dp_size, max_token_len, cost):
     assert len(plan) == dp_size
     flat = sorted(i for rank in plan for mb in rank for i in mb)
     assert flat == list(range(len(lens)))
-    costs = get_cost_model(cost).costs(lens)
     for rank in plan:
         assert all(mb and sum(lens[i] for i in mb) <= max_token_len for mb in rank)
-        mb_costs = [sum(costs[i] for i in mb) for mb in rank]
-        assert mb_costs == sorted(mb_costs, reverse=True)
 
 
 @settings(max_examples=150, deadline=None)
@@ -69,11 +74,41 @@ def test_fewer_samples_than_ranks_leaves_ranks_empty():
     assert lb_mini([], 3, 10) == [[], [], []]
 
 
-def test_a_rank_packs_first_fit_decreasing_costliest_first():
-    # Lengths 6, 4 | 5, 3, 2 fill two micro-batches of 10; under tokens they tie, so the lowest index leads.
-    assert lb_mini([2, 3, 4, 5, 6], 1, 10) == [[[3, 1, 0], [4, 2]]]
-    # Under a quadratic cost 6 + 4 (52) outweighs 5 + 3 + 2 (38).
-    assert lb_mini([2, 3, 4, 5, 6], 1, 10, cost=FitCost(a=1, b=0)) == [[[4, 2], [3, 1, 0]]]
+def _engine_micro_batches(lens: list[int], max_token_len: int) -> list[list[int]]:
+    """What the ODC engine runs on a rank holding these samples (ODCEngine._micro_batches with dynamic batch
+    size): verl's prepare_micro_batches on the rank's remove-padding batch, not agreeing on the count."""
+    offsets = torch.tensor([0, *lens]).cumsum(0)
+    input_ids = torch.nested.nested_tensor_from_jagged(torch.zeros(int(offsets[-1]), dtype=torch.long), offsets)
+    data = TensorDict({"input_ids": input_ids}, batch_size=[len(lens)])
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len, sp_size=1)
+    _, indices = prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=False)
+    return indices
+
+
+def test_each_rank_packs_as_the_odc_engine_runs_it():
+    """A plan's micro-batches are the ones the engine will run for the rank's samples, in its order."""
+    for seed, (dp_size, per_rank, max_token_len) in enumerate([(4, 6, 8192), (8, 16, 16384), (2, 24, 20000)]):
+        lens = rl_math_like(dp_size * per_rank, seed=seed).total
+        plan = lb_mini(lens, dp_size, max_token_len, cost="flops")
+        assert sum(len(rank) for rank in plan) > dp_size  # several micro-batches on some rank
+        for rank in plan:
+            share = sorted(i for mb in rank for i in mb)  # what the dispatch sends: the rank's samples in order
+            expected = _engine_micro_batches([lens[i] for i in share], max_token_len)
+            assert rank == [[share[i] for i in mb] for mb in expected]
+
+
+def test_karmarkar_karp_is_verls():
+    """The differencing starts give the parts of verl's karmarkar_karp (equal_size=False for single units,
+    equal_size=True for runs of dp_size, where verl needs the count padded to a multiple)."""
+    for seed in range(100):
+        rng = random.Random(seed)
+        n, k = rng.randint(1, 80), rng.randint(1, 12)
+        weights = [rng.uniform(1, 1000) for _ in range(n)]  # distinct: the two break ties differently
+        ours = [_largest_differencing(weights, k, chunk) for chunk in (1, k)]
+        padded = weights + [0.0] * (-n % k)
+        verls = [karmarkar_karp(weights, k, equal_size=False), karmarkar_karp(padded, k, equal_size=True)]
+        for mine, theirs in zip(ours, verls):
+            assert sorted(map(sorted, mine)) == sorted(sorted(i for i in part if i < n) for part in theirs)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Length generators and loaders."""
+"""Length generators and loaders, and what a verl user has (a data set, rollout dumps, the metrics file)
+read from files written the way verl writes them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from odc_plugin.balance import LengthSample, load_lengths, rl_math_like, sft_long_context_like
+from odc_plugin.balance import LengthSample, load_lengths, planner, rl_math_like, sft_long_context_like
+from odc_plugin.balance.lengths import (
+    load_tokenizer,
+    logged_step_lengths,
+    plan_lengths,
+    prompt_lengths,
+    rollout_dump_lengths,
+)
+from odc_plugin.verl.cpu.assets import prompt_messages
 
 
 def test_rl_math_like_shape():
@@ -57,7 +66,7 @@ def test_load_lengths(tmp_path):
         ("b.txt", "\n", "b.txt", r"no lengths"),
         (None, None, "missing.txt", r"length file '.*missing.txt' not found"),
         (None, None, "a.parquet:nope", r"has no column 'nope'; columns: n, s"),
-        (None, None, "a.parquet:s", r"a.parquet:s is string; expected integer lengths or lists of tokens"),
+        (None, None, "a.parquet:s", r"a.parquet:s is string; expected integer lengths or lists of token ids"),
     ],
 )
 def test_load_lengths_errors(tmp_path, name, content, spec, match):
@@ -66,3 +75,178 @@ def test_load_lengths_errors(tmp_path, name, content, spec, match):
         (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=match):
         load_lengths(str(tmp_path / spec))
+
+
+# --- what a verl user has, written the way verl writes it -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verl_files(tmp_path_factory):
+    """A tiny tokenizer with a chat template (the CPU run's, odc_plugin.verl.cpu.assets), a data set in verl's
+    RL parquet layout written by Hugging Face datasets as verl's data_preprocess scripts write it, and the
+    problems behind it."""
+    import datasets
+
+    from odc_plugin.verl.cpu.assets import build_tokenizer, make_problems
+    from odc_plugin.verl.data import GSM8K, GSM8K_INSTRUCTION, make_row
+
+    root = tmp_path_factory.mktemp("verl_files")
+    problems = make_problems(64, seed=0)
+    tokenizer = build_tokenizer(problems)
+    tokenizer.save_pretrained(root / "model")
+    rows = [make_row(GSM8K, p.question, GSM8K_INSTRUCTION, p.answer, "train", i) for i, p in enumerate(problems)]
+    datasets.Dataset.from_list(rows).to_parquet(str(root / "train.parquet"))
+    return root, problems, load_tokenizer(str(root / "model"))
+
+
+def test_prompt_lengths_are_the_chat_template_tokens_verl_counts(verl_files):
+    """`DATA.parquet:prompt` with the tokenizer: each prompt's chat template tokens, the count verl's
+    RLHFDataset filters overlong prompts by (the rows it keeps at a limit are exactly those counted within)."""
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    root, problems, tokenizer = verl_files
+    lengths = prompt_lengths(f"{root}/train.parquet:prompt", tokenizer)
+    expected = [
+        len(
+            tokenizer.apply_chat_template(
+                prompt_messages(p), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for p in problems
+    ]
+    assert lengths == expected
+    limit = sorted(lengths)[len(lengths) // 2]
+    config = {"max_prompt_length": limit, "filter_overlong_prompts": True, "cache_dir": str(root / "cache")}
+    kept = RLHFDataset(str(root / "train.parquet"), tokenizer, OmegaConf.create(config)).dataframe
+    assert sorted(row["extra_info"]["index"] for row in kept) == [i for i, n in enumerate(lengths) if n <= limit]
+    # planned as prompts of the data set plus responses of the rl profile
+    source = plan_lengths(f"{root}/train.parquet:prompt", tokenizer=str(root / "model"), max_response_length=256)
+    prompts = set(lengths)
+    assert source.longest == max(lengths) + 256 and source.steps == 0
+    drawn = np.array(source.draw(500, 3))
+    responses = np.array(rl_math_like(500, max_response_length=256, seed=3).response_lens)
+    assert set((drawn - responses).tolist()) <= prompts
+
+
+def test_a_column_that_is_not_lengths_fails_in_one_line(verl_files, capsys):
+    root, _, _ = verl_files
+    data = f"{root}/train.parquet"
+    for column, match in [
+        (
+            "prompt",
+            r"train.parquet:prompt is list<element: struct<role: string, content: string>>, chat messages "
+            r"\(a prompt\), not token counts; give --tokenizer MODEL_DIR",
+        ),
+        ("data_source", r"train.parquet:data_source is string; expected integer lengths or lists of token ids"),
+        ("reward_model", r"train.parquet:reward_model is struct<style: string, ground_truth: string>; expected"),
+    ]:
+        with pytest.raises(ValueError, match=match) as err:
+            load_lengths(f"{data}:{column}")
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"train.parquet:data_source is string; --tokenizer counts a column of chat"):
+        prompt_lengths(f"{data}:data_source", verl_files[2])
+    with pytest.raises(SystemExit):
+        planner.main(["--lengths", f"{data}:prompt", "--ranks", "2", "--minibatch-sizes", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "chat messages (a prompt), not token counts; give --tokenizer MODEL_DIR" in err[-1], err
+
+
+def test_rollout_dump_lengths_are_the_tokenizers_counts(verl_files, tmp_path):
+    """Rollouts dumped by verl's own writer (the v1 trainer's _write_generations, as trainer.rollout_data_dir
+    runs it), the prompt and response text decoded without special tokens as verl decodes them: each
+    rollout counts the tokenizer's tokens of both texts, a few short of the sequence trained on (the
+    special tokens the decoding dropped, and text across them tokenized together)."""
+    import json
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    _, problems, tokenizer = verl_files
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    trained = {}
+    for step, batch in ((1, problems[:8]), (2, problems[8:20])):
+        prompts = [
+            tokenizer.apply_chat_template(
+                prompt_messages(p), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in batch
+        ]
+        responses = [tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos] for p in batch]
+        PPOTrainer._write_generations(
+            tokenizer.batch_decode(prompts, skip_special_tokens=True),
+            tokenizer.batch_decode(responses, skip_special_tokens=True),
+            [p.answer for p in batch],
+            [1.0] * len(batch),
+            {"uid": [f"{i}_0_0" for i in range(len(batch))]},
+            str(tmp_path),
+            step,
+        )
+        trained[step] = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    read = rollout_dump_lengths(str(tmp_path), tokenizer)
+    assert read == {
+        step: [
+            len(tokenizer(r["input"], add_special_tokens=False)["input_ids"])
+            + len(tokenizer(r["output"], add_special_tokens=False)["input_ids"])
+            for r in map(json.loads, (tmp_path / f"{step}.jsonl").read_text().splitlines())
+        ]
+        for step in trained
+    }
+    # 3 special tokens of the chat template and the end of sequence dropped, and a few merged across them
+    assert all(4 <= t - r <= 8 for step in trained for t, r in zip(trained[step], read[step]))
+    assert rollout_dump_lengths(str(tmp_path / "2.jsonl"), tokenizer) == {2: read[2]}
+    source = plan_lengths(str(tmp_path), tokenizer=str(verl_files[0] / "model"))
+    assert (source.steps, source.step_samples) == (2, 8)
+    assert sorted(source.draw(8, 0)) == sorted(read[1]) and set(source.draw(5, 1)) <= set(read[2])
+    with pytest.raises(ValueError, match="a mini-batch of 9 is more than the 8 rollouts of a step of"):
+        source.draw(9, 0)
+    with pytest.raises(ValueError, match="is a verl rollout dump \\(text\\); give --tokenizer MODEL_DIR"):
+        plan_lengths(str(tmp_path))
+
+
+def test_logged_step_lengths_model_each_step(tmp_path, monkeypatch):
+    """verl's file logger output of steps whose metrics verl's own compute_data_metrics and
+    compute_throughout_metrics computed: each step's drawn lengths match its logged mean, clip ratio and
+    range, and a run whose responses lengthen plans longer steps."""
+    import torch
+    from verl import DataProto
+    from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughout_metrics
+    from verl.utils.tracking import FileLogger
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "run.jsonl"))
+    logger = FileLogger("odc", "lengths")
+    truth = {}
+    for step, median_frac in ((1, 0.15), (2, 0.3), (3, 0.5)):
+        sample = rl_math_like(
+            1024, max_prompt_length=512, max_response_length=4096, response_median_frac=median_frac, seed=step
+        )
+        prompt, response = torch.tensor(sample.prompt_lens), torch.tensor(sample.response_lens)
+        zeros = torch.zeros(1024, 4096)
+        batch = DataProto.from_dict(
+            tensors={
+                "prompts": torch.zeros(1024, 512, dtype=torch.long),
+                "responses": torch.zeros(1024, 4096, dtype=torch.long),
+                "response_mask": (torch.arange(4096) < response[:, None]).long(),
+                "prompt_length": prompt.float(),
+                "response_length": response.float(),
+                **dict.fromkeys(("token_level_scores", "token_level_rewards", "advantages", "returns"), zeros),
+            },
+            meta_info={"global_token_num": sample.total},
+        )
+        metrics = compute_data_metrics(batch, use_critic=False) | compute_throughout_metrics(batch, {"step": 1.0}, 1)
+        logger.log(metrics, step)
+        truth[step] = sample
+    logger.finish()
+    logged = logged_step_lengths(str(tmp_path / "run.jsonl"))
+    for step, (prompts, responses) in logged.items():
+        assert prompts.samples == responses.samples == 1024
+        rng = np.random.default_rng(0)
+        for model, true in ((prompts, truth[step].prompt_lens), (responses, truth[step].response_lens)):
+            drawn = model.draw(20000, rng)
+            assert drawn.mean() == pytest.approx(np.mean(true), rel=0.03)
+            assert min(true) <= drawn.min() and drawn.max() <= max(true)
+            assert np.mean(drawn == max(true)) == pytest.approx(np.mean(np.array(true) == max(true)), abs=0.01)
+    source = plan_lengths(str(tmp_path / "run.jsonl"))
+    assert (source.steps, source.step_samples) == (3, 1024)
+    assert [np.mean(source.draw(512, seed)) for seed in range(3)] == sorted(
+        np.mean(source.draw(512, s)) for s in range(3)
+    )

@@ -105,13 +105,13 @@ def test_model_params_of_the_presets():
 
 @pytest.mark.parametrize(
     "nodes,inter_node_bw,fastest,pick",
-    [(2, 1e12, "odc_flat", "odc_hsdp"), (2, 4e10, "odc_hsdp", "odc_hsdp"), (4, 1e9, "fsdp_hsdp", "fsdp_hsdp")],
+    [(2, 1e12, "odc_flat", "odc_hsdp"), (2, 1e10, "odc_hsdp", "odc_hsdp"), (4, 1e9, "fsdp_hsdp", "fsdp_hsdp")],
 )
 def test_cli_nodes_picks_by_network(nodes, inter_node_bw, fastest, pick, capsys):
-    """SFT lengths: at InfiniBand speed ODC's balance pays for its all-reduce; a network as fast as NVLink
-    hides flat ODC's traffic and saves the all-reduce, but flat ODC is refused by this version, so the pick
-    is the fastest of what runs; over a slow one the all-reduce, which FSDP overlaps with every
-    micro-batch's compute, costs ODC more than FSDP's imbalance."""
+    """SFT lengths: a network as fast as NVLink hides flat ODC's traffic and saves the all-reduce, but flat
+    ODC is refused by this version, so the pick is the fastest of what runs; at 10 GB/s flat ODC's traffic
+    outweighs the one all-reduce of ODC-HSDP, whose balance pays for it; over a slower one the all-reduce,
+    which FSDP overlaps with every micro-batch's compute, costs ODC more than FSDP's imbalance."""
     args = [
         "--nodes",
         str(nodes),
@@ -150,3 +150,30 @@ def test_ulysses_groups_are_the_units_of_lockstep_and_balance(capsys):
     with pytest.raises(SystemExit):
         main(["--sp", "0"])
     assert "--sp sizes must be >= 1, got [0]" in capsys.readouterr().err
+
+
+def test_cli_plans_a_runs_steps_with_fixed_micro_batches(tmp_path, monkeypatch, capsys):
+    """A run's metrics file (verl's file logger): by default one mini-batch per row of a whole step, one draw
+    per step; with --micro-batch-size, verl's fixed micro-batches (rows whose per-rank share they do not
+    divide are left out, as verl refuses them)."""
+    from verl.utils.tracking import FileLogger
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "run.jsonl"))
+    logger = FileLogger("odc", "plan")
+    for step, mean in ((1, 800.0), (2, 1500.0)):
+        stats = {"mean": mean, "max": 4096.0, "min": 20.0, "clip_ratio": 0.05}
+        data = {f"response_length/{k}": v for k, v in stats.items()}
+        data |= {"prompt_length/mean": 200.0, "prompt_length/max": 400.0, "prompt_length/min": 60.0}
+        logger.log(data | {"perf/total_num_tokens": 64 * (200.0 + mean), "timing_s/step": 1.0}, step)
+    logger.finish()
+    capsys.readouterr()  # the logger's own line
+    main(["--lengths", str(tmp_path / "run.jsonl"), "--ranks", "4", "8", "--micro-batch-size", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert "2 steps of" in out["lengths_from"] and out["micro_batch_size"] == 4
+    # 64 samples a step: 16 per rank at 4 ranks; 8 per rank at 8 ranks; both divide into micro-batches of 4
+    assert [(r["dp_size"], r["minibatch_size"]) for r in out["rows"]] == [(4, 64), (8, 64)]
+    for r in out["rows"]:
+        assert r["seconds"]["odc_lb_mini"] <= r["seconds"]["odc_lb_micro"] < r["seconds"]["fsdp_lb_micro"]
+    with pytest.raises(SystemExit):
+        main(["--lengths", str(tmp_path / "run.jsonl"), "--ranks", "4", "--micro-batch-size", "3"])
+    assert "no mini-batch size divides evenly over any rank count into micro-batches of 3" in capsys.readouterr().err

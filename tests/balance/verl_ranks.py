@@ -1,4 +1,4 @@
-"""Rank body for the gloo test: verl's rearrange_micro_batches with a real data-parallel group."""
+"""Rank bodies: verl's rearrange_micro_batches with a real data-parallel group, and verl's FlopsCounter."""
 
 from __future__ import annotations
 
@@ -22,3 +22,14 @@ def rearrange_on_rank(rank: int, world_size: int, cases: list[tuple[list[list[in
         _, idx = seqlen_balancing.rearrange_micro_batches(batch, max_token_len=max_token_len, dp_group=dist.group.WORLD)
         out.append(idx)
     return out
+
+
+def flops_counter_on_rank(rank: int, world_size: int, config_dirs: list[str], batches: list[list[int]]) -> list:
+    """verl's FlopsCounter as its trainer uses it (estimate_flops also asks the device for its peak, which
+    needs verl's device platform: this rank runs verl on CPU): per config, the FLOPs of each batch of
+    sequence lengths in one second."""
+    from transformers import AutoConfig
+    from verl.utils.flops_counter import FlopsCounter
+
+    counters = [FlopsCounter(AutoConfig.from_pretrained(d)) for d in config_dirs]
+    return [[c.estimate_flops(batch, delta_time=1.0)[0] * 1e12 for batch in batches] for c in counters]
