@@ -22,6 +22,9 @@ def format_table(rows: Sequence[PlanRow]) -> str:
         columns.append((name, "idle", lambda r, s=s: f"{r.idle_fraction[s]:.1%}"))
     for s in ("odc_lb_micro", "odc_lb_mini"):
         columns.append(("speedup", SCHEMES[s], lambda r, s=s: f"{r.speedup(s):.3f}x"))
+    columns.append(("limit", "time", lambda r: f"{r.limit_s:.4g}"))
+    for s, name in SCHEMES.items():
+        columns.append(("over the limit", name, lambda r, s=s: f"{r.over_limit(s):+.1%}"))
     for k, name in (("lb_micro", "LB-Micro"), ("lb_mini", "LB-Mini")):
         columns.append(("balance efficiency", name, lambda r, k=k: f"{r.efficiency[k]:.4f}"))
     cells = [[cell(r) for _, _, cell in columns] for r in rows]
@@ -35,7 +38,11 @@ def format_table(rows: Sequence[PlanRow]) -> str:
 
     group_line = " | ".join(f"{g:^{sum(widths[c] for c in cs) + len(cs) - 1}}" for g, cs in groups)
     lines = [group_line, line([head for _, head, _ in columns], ">"), "-" * len(group_line)]
-    return "\n".join(lines + [line(row, ">") for row in cells])
+    legend = (
+        "limit: per mini-batch the larger of its work over the ranks' summed speeds and its longest sample "
+        "on one rank, which no plan beats; over the limit: each scheme's time above it"
+    )
+    return "\n".join(lines + [line(row, ">") for row in cells] + [legend])
 
 
 def format_cluster_table(rows: Sequence[ClusterRow]) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 from odc_plugin.balance.common import RankPlan, balance_efficiency
-from odc_plugin.balance.costs import CostModel, FlopsCost, get_cost_model
+from odc_plugin.balance.costs import PRESETS, CostModel, FlopsCost, get_cost_model, model_config
 from odc_plugin.balance.lb_micro import lb_micro
 from odc_plugin.balance.lb_mini import lb_mini
 
@@ -42,6 +42,29 @@ def off_planner_note(errors: dict[str, float], what: str = "run") -> str | None:
         + ", ".join(f"{label} ({e:+.1%})" for label, e in off.items())
         + f"; the planner models compute only, so in such a {what} something else (the rehearsal's own overhead "
         "on few cores, waits the planner does not know of) is a visible part of the step"
+    )
+
+
+def minibatch_limit(costs: Sequence[float], slowdown: Sequence[float], throughput: float = 1.0) -> float:
+    """The shortest time in which ranks of these slowdowns can run a mini-batch of samples costing `costs`,
+    however it is split: the larger of its work over the ranks' summed speeds (no rank ever idle) and its
+    longest sample on the fastest rank (a sample is never split). Every printed ideal is this one."""
+    if not slowdown or min(slowdown) <= 0:
+        raise ValueError(f"minibatch_limit needs one slowdown > 0 per rank, got {list(slowdown)!r}")
+    work = sum(costs) / sum(1 / f for f in slowdown)
+    return max(work, max(costs, default=0.0) * min(slowdown)) / throughput
+
+
+def unbalanceable_note(minibatches: dict[str, tuple[int, int]]) -> str | None:
+    """One line naming the mini-batches (label -> (samples, ranks)) with at most one sample per rank; None if
+    none. There no plan can move work between ranks: every rank runs what it got whole."""
+    few = {label: (n, ranks) for label, (n, ranks) in minibatches.items() if n <= ranks}
+    if not few:
+        return None
+    return (
+        ", ".join(f"{label} ({n} samples, {ranks} ranks)" for label, (n, ranks) in few.items())
+        + ": at most one sample per rank, so nothing can be balanced (the longest sample is the step, whatever "
+        "the plan); give several samples per rank, as verl jobs have, to see what balancing buys"
     )
 
 
@@ -115,6 +138,7 @@ def simulate_minibatch(
 class Comparison:
     times: dict[str, MiniBatchTime]  # per scheme
     efficiency: dict[str, float]  # balance_efficiency of the LB-Micro and LB-Mini rank totals, by the same cost
+    limit_s: float  # minibatch_limit: no scheme can be faster
 
 
 def compare_schemes(
@@ -123,12 +147,14 @@ def compare_schemes(
     max_token_len: int,
     cost: str | CostModel = "tokens",
     model: StepTimeModel = StepTimeModel(),
+    micro_batch_size: int | None = None,
 ) -> Comparison:
-    """Plan one mini-batch with LB-Micro and LB-Mini and time it under the three schemes."""
+    """Plan one mini-batch with LB-Micro and LB-Mini and time it under the three schemes (with
+    `micro_batch_size`, verl's fixed micro-batch size, instead of dynamic batch size)."""
     cost = get_cost_model(cost)
     costs = cost.costs(seqlens)
-    micro = lb_micro(seqlens, dp_size, max_token_len)
-    mini = lb_mini(seqlens, dp_size, max_token_len, cost=cost, baseline=micro)
+    micro = lb_micro(seqlens, dp_size, max_token_len, micro_batch_size)
+    mini = lb_mini(seqlens, dp_size, max_token_len, cost=cost, baseline=micro, micro_batch_size=micro_batch_size)
     return Comparison(
         times={
             "fsdp_lb_micro": simulate_minibatch(micro, costs, lockstep=True, model=model),
@@ -136,6 +162,7 @@ def compare_schemes(
             "odc_lb_mini": simulate_minibatch(mini, costs, lockstep=False, model=model),
         },
         efficiency={"lb_micro": balance_efficiency(micro, costs), "lb_mini": balance_efficiency(mini, costs)},
+        limit_s=minibatch_limit(costs, [1.0] * dp_size, model.throughput),
     )
 
 
@@ -148,10 +175,15 @@ class PlanRow:
     seconds: dict[str, float]
     idle_fraction: dict[str, float]
     efficiency: dict[str, float]
+    limit_s: float  # minibatch_limit, the mean over the draws
     sp: int = 1
 
     def speedup(self, scheme: str) -> float:
         return self.seconds["fsdp_lb_micro"] / self.seconds[scheme]
+
+    def over_limit(self, scheme: str) -> float:
+        """How far the scheme's time is above the limit (0: at it)."""
+        return self.seconds[scheme] / self.limit_s - 1
 
 
 def plan_table(
@@ -164,6 +196,7 @@ def plan_table(
     draws: int = 5,
     seed: int = 0,
     sp_sizes: Sequence[int] = (1,),
+    micro_batch_size: int | None = None,
 ) -> list[PlanRow]:
     """One row per (ranks, sequence-parallel size, mini-batch size) that divides evenly, as verl requires;
     `ranks` are GPUs; `draw(n, seed)` gives the lengths of one mini-batch of n samples. Every row sees the
@@ -177,10 +210,10 @@ def plan_table(
                 continue
             dp, group_model = gpus // sp, replace(model, throughput=model.throughput * sp)
             for size in minibatch_sizes:
-                if size % dp:
+                if size % dp or (micro_batch_size and size // dp % micro_batch_size):
                     continue
                 runs = [
-                    compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model)
+                    compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model, micro_batch_size)
                     for d in range(draws)
                 ]
                 rows.append(
@@ -190,6 +223,7 @@ def plan_table(
                         seconds={s: statistics.fmean(r.times[s].seconds for r in runs) for s in SCHEMES},
                         idle_fraction={s: statistics.fmean(r.times[s].idle_fraction for r in runs) for s in SCHEMES},
                         efficiency={k: statistics.fmean(r.efficiency[k] for r in runs) for k in runs[0].efficiency},
+                        limit_s=statistics.fmean(r.limit_s for r in runs),
                         sp=sp,
                     )
                 )
@@ -206,11 +240,18 @@ TIED_EMBEDDINGS = {"Qwen2.5-0.5B", "Qwen2.5-1.5B"}
 
 
 def model_params(preset: str) -> int:
-    """Parameters of a preset: its weight matrices (as FlopsCost counts them, head included; an MoE's every
-    expert, all of which are communicated) plus the input embedding when the head is not tied to it."""
-    cost = FlopsCost.from_config(preset).dense()
-    embedding = 0 if preset in TIED_EMBEDDINGS else cost.vocab_size * cost.hidden_size
+    """Parameters of a preset (or a model directory's config.json): its weight matrices (as FlopsCost counts
+    them, head included; an MoE's every expert, all of which are communicated) plus the input embedding when
+    the head is not tied to it."""
+    config = model_config(preset)
+    cost = FlopsCost.from_config(config).dense()
+    tied = preset in TIED_EMBEDDINGS or (preset not in PRESETS and _get(config, "tie_word_embeddings"))
+    embedding = 0 if tied else cost.vocab_size * cost.hidden_size
     return cost.linear_flops_per_token // 2 + embedding
+
+
+def _get(config, key: str):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
 @dataclass(frozen=True)
@@ -277,13 +318,19 @@ class ClusterRow:
 
 
 def compare_cluster(
-    seqlens: Sequence[int], nodes: int, max_token_len: int, cost: CostModel, cluster: ClusterModel, throughput: float
+    seqlens: Sequence[int],
+    nodes: int,
+    max_token_len: int,
+    cost: CostModel,
+    cluster: ClusterModel,
+    throughput: float,
+    micro_batch_size: int | None = None,
 ) -> dict[str, MiniBatchTime]:
     """One mini-batch over nodes x gpus_per_node ranks, LB-Micro for FSDP and LB-Mini over every rank for ODC."""
     dp = nodes * cluster.gpus_per_node
     costs = cost.costs(seqlens)
-    micro = lb_micro(seqlens, dp, max_token_len)
-    mini = lb_mini(seqlens, dp, max_token_len, cost=cost, baseline=micro)
+    micro = lb_micro(seqlens, dp, max_token_len, micro_batch_size)
+    mini = lb_mini(seqlens, dp, max_token_len, cost=cost, baseline=micro, micro_batch_size=micro_batch_size)
     compute = StepTimeModel(throughput=throughput)
     times = {}
     for scheme, plan, lockstep in (("fsdp_hsdp", micro, True), ("odc_hsdp", mini, False), ("odc_flat", mini, False)):
@@ -305,6 +352,7 @@ def cluster_table(
     throughput: float,
     draws: int = 5,
     seed: int = 0,
+    micro_batch_size: int | None = None,
 ) -> list[ClusterRow]:
     """One row per (nodes, mini-batch size) whose size divides over the ranks; every node count sees the
     same draws."""
@@ -315,10 +363,12 @@ def cluster_table(
         if n < 2:
             raise ValueError(f"--nodes compares multi-node set-ups; got {n} node(s)")
         for size in minibatch_sizes:
-            if size % (n * cluster.gpus_per_node):
+            dp = n * cluster.gpus_per_node
+            if size % dp or (micro_batch_size and size // dp % micro_batch_size):
                 continue
             runs = [
-                compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput) for d in range(draws)
+                compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput, micro_batch_size)
+                for d in range(draws)
             ]
             rows.append(
                 ClusterRow(

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..models import MODEL_SIZES
-from .config import COSTS, WORKLOADS, DemoConfig
+from .config import COSTS, SAMPLES_PER_RANK, WORKLOADS, DemoConfig
 from .run import run_demo
 from .sweep import case_config, run_sweep
 
@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         "--mini-batch-size",
         type=int,
         default=None,
-        help="prompts (rl, default 4) or samples (sft, default 16) per mini-batch",
+        help=f"prompts (rl) or samples (sft) per mini-batch; default {SAMPLES_PER_RANK} samples per rank (rl: "
+        f"{SAMPLES_PER_RANK // defaults.group_size} prompts of {defaults.group_size} responses per rank)",
     )
     p.add_argument("--max-prompt-length", type=int, default=defaults.max_prompt_length, help="rl")
     p.add_argument("--max-response-length", type=int, default=defaults.max_response_length, help="rl")

@@ -12,6 +12,9 @@ WORKLOADS = ("rl", "sft")
 COSTS = ("fit", "auto")
 # With emulation the model computes on sequences this many times shorter than the true ones.
 EMULATED_STAND_IN = 64
+# Samples per rank in the default mini-batch: several, as verl jobs have; with one or fewer per rank
+# nothing can be balanced and every row runs the longest sample.
+SAMPLES_PER_RANK = 8
 
 
 @dataclass
@@ -22,8 +25,8 @@ class DemoConfig:
     model_size: str | None = None
     workload: str = "rl"
     lengths: str | None = None  # a file of sample lengths; default: the workload's generator
-    # prompts per mini-batch (rl), samples per mini-batch (sft); None: 4 (rl) or 16 (sft), with
-    # the default token budget several micro-batches per rank either way
+    # prompts per mini-batch (rl), samples per mini-batch (sft); None: SAMPLES_PER_RANK samples per rank
+    # (rl: 2 prompts of 4 responses per rank), with the default token budget several micro-batches per rank
     mini_batch_size: int | None = None
     group_size: int = 4  # GRPO responses per prompt (rl)
     max_prompt_length: int = 128
@@ -61,7 +64,8 @@ class DemoConfig:
         if self.workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got '{self.workload}'")
         if self.mini_batch_size is None:
-            self.mini_batch_size = 4 if self.workload == "rl" else 16
+            per_rank = SAMPLES_PER_RANK // self.group_size if self.workload == "rl" else SAMPLES_PER_RANK
+            self.mini_batch_size = per_rank * self.ranks
         if self.mini_batch_size < 1:
             raise ValueError(f"--mini-batch-size must be >= 1, got {self.mini_batch_size}")
         if self.lengths is not None and not os.path.exists(self.lengths):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..balance.step_time import off_planner_note
+from ..balance.step_time import off_planner_note, unbalanceable_note
 from .rows import FACTORS
 
 # Above this many ranks the table gives the spread of idle over ranks instead of every rank's split.
@@ -17,7 +17,7 @@ def print_table(report: dict) -> None:
     emulated = " (EMULATED layer compute)" if report["config"]["emulate"] else ""
     per_rank = "compute / comm / wait per rank" if ranks <= _RANKS_SPELLED_OUT else "idle min / max over ranks"
     print(
-        f"\n{'row':<19}{'s/step':>8}{'tokens/s':>10}{'predicted':>11}{'error':>8}{'idle':>7}"
+        f"\n{'row':<19}{'s/step':>8}{'tokens/s':>10}{'predicted':>11}{'error':>8}{'over limit':>11}{'idle':>7}"
         f"{'wait CPU':>10}   {per_rank}{emulated}"
     )
     for row, r in report["runs"].items():
@@ -29,21 +29,24 @@ def print_table(report: dict) -> None:
         print(
             f"{row:<19}{r['median_step_s']:>8.3f}{r['tokens_per_s']:>10.0f}"
             f"{statistics.median(r['predicted_step_s']):>11.3f}{r['prediction_error']:>+8.1%}"
-            f"{r['idle_fraction']:>7.1%}{r['wait_cpu_s']:>9.3f}s   {split}"
+            f"{r['over_limit']:>+11.1%}{r['idle_fraction']:>7.1%}{r['wait_cpu_s']:>9.3f}s   {split}"
         )
     print(
-        "error: the planner's step time over the measured one, minus 1 (median over mini-batches); idle: the "
-        "ranks' mean share of the step spent waiting; wait CPU: CPU seconds one rank spent in its waits per "
-        "mini-batch (ODC: flags and barriers; fsdp2: gloo collectives, transfers included)"
+        "error: the planner's step time over the measured one, minus 1 (median over mini-batches); over limit: "
+        "the step time above the limit below (median over mini-batches); idle: the ranks' mean share of the step "
+        "spent waiting; wait CPU: CPU seconds one rank spent in its waits per mini-batch (ODC: flags and "
+        "barriers; fsdp2: gloo collectives, transfers included)"
     )
-    note = off_planner_note({row: r["prediction_error"] for row, r in report["runs"].items()}, "row")
-    if note:
+    print(
+        f"limit: {statistics.median(report['limit_step_s']):.3f} s/step (median), per mini-batch the larger of its "
+        "work over the ranks' summed speeds and its longest sample on the fastest rank: no plan does better"
+    )
+    notes = [
+        off_planner_note({row: r["prediction_error"] for row, r in report["runs"].items()}, "row"),
+        unbalanceable_note({"each mini-batch": (report["samples_per_minibatch"], report["config"]["ranks"])}),
+    ]
+    for note in filter(None, notes):
         print(f"NOTE: {note}")
-    if any(f != 1.0 for f in report["config"]["slowdowns"]):
-        print(
-            f"ideal (each mini-batch's work over the ranks' summed speeds): "
-            f"{statistics.median(report['ideal_step_s']):.3f} s/step"
-        )
     print(
         "planner's error per mini-batch: "
         + "; ".join(

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..balance import CostModel, FitCost, FlopsCost, lb_micro, lb_mini
 from ..balance.costs import fit_quadratic
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit, lb_mini_auto
-from ..balance.step_time import simulate_minibatch
+from ..balance.step_time import minibatch_limit, simulate_minibatch
 from ..launch import run_ranks
 from ..layer_time import ComputeEmulator, EmulationFit, auto_time_scale
 from ..models import MODEL_SIZES, build_model, qwen2_config, shard_qwen2
@@ -209,13 +209,12 @@ def predict(cfg: DemoConfig, batches, plans, cost: FitCost) -> dict[str, list[fl
     }
 
 
-def ideal_step_s(cfg: DemoConfig, batches, cost: FitCost) -> list[float]:
-    """Per mini-batch, its total work over the ranks' summed speeds: no rank ever idle."""
-    speed = sum(1 / f for f in cfg.slowdowns)
-    return [sum(cost.costs([s.total for s in batch])) / speed for batch in batches]
+def limit_step_s(cfg: DemoConfig, batches, cost: FitCost) -> list[float]:
+    """Per mini-batch, the time no row can beat (step_time.minibatch_limit)."""
+    return [minibatch_limit(cost.costs([s.total for s in batch]), cfg.slowdowns) for batch in batches]
 
 
-def summarize(cfg: DemoConfig, batches, per_rank, predicted, ideal, calibration) -> dict:
+def summarize(cfg: DemoConfig, batches, per_rank, predicted, limit, calibration) -> dict:
     steps = range(cfg.steps)
     tokens = [sum(s.total for s in b) for b in batches]
     runs, step_s = {}, {}
@@ -244,13 +243,15 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, ideal, calibration)
             "predicted_step_s": predicted[row],
             "prediction_errors": [p / m - 1 for p, m in zip(predicted[row], step_s[row])],
             "prediction_error": statistics.median(p / m - 1 for p, m in zip(predicted[row], step_s[row])),
+            "over_limit": statistics.median(m / lim - 1 for m, lim in zip(step_s[row], limit)),
         }
     return {
         "config": asdict(cfg),
         "runs": runs,
         "factors": factors(step_s),
         "predicted_factors": factors(predicted),
-        "ideal_step_s": ideal,
+        "samples_per_minibatch": cfg.samples_per_minibatch,
+        "limit_step_s": limit,
         "calibration": calibration,
         "max_param_diff": max(r["max_param_diff"] for r in per_rank),
         "memory_mb": sum(r["memory_mb"] for r in per_rank),
@@ -288,7 +289,7 @@ def run_demo(cfg: DemoConfig, quiet: bool = False) -> dict:
     if cfg.cost == "auto":
         plans[AUTO_ROW] = per_rank[0]["auto_plans"]
     report = summarize(
-        cfg, batches, per_rank, predict(cfg, batches, plans, cost), ideal_step_s(cfg, batches, cost), calibration
+        cfg, batches, per_rank, predict(cfg, batches, plans, cost), limit_step_s(cfg, batches, cost), calibration
     )
     os.makedirs(cfg.out_dir, exist_ok=True)
     json_path, png_path = os.path.join(cfg.out_dir, "odc_demo.json"), os.path.join(cfg.out_dir, "odc_demo.png")

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 from collections.abc import Sequence
 
 from ..balance import FitCost
 from ..balance.lengths import RL_PROFILE
 from ..balance.planner import length_source
-from ..balance.step_time import off_planner_note, plan_table
+from ..balance.step_time import off_planner_note, plan_table, unbalanceable_note
 from .config import DemoConfig
 from .run import run_demo
 
@@ -89,8 +90,9 @@ def point_summary(cfg: DemoConfig, report: dict) -> dict:
             row: {
                 "median_step_s": r["median_step_s"],
                 "idle_fraction": r["idle_fraction"],
-                "predicted_step_s": sorted(r["predicted_step_s"])[len(r["predicted_step_s"]) // 2],
+                "predicted_step_s": statistics.median(r["predicted_step_s"]),
                 "wait_cpu_s": r["wait_cpu_s"],
+                "over_limit": r["over_limit"],
             }
             for row, r in runs.items()
         },
@@ -99,7 +101,7 @@ def point_summary(cfg: DemoConfig, report: dict) -> dict:
         "headline": measured,
         "predicted_headline": predicted,
         "relative_error": predicted / measured - 1,
-        "ideal_step_s": sorted(report["ideal_step_s"])[len(report["ideal_step_s"]) // 2],
+        "limit_step_s": statistics.median(report["limit_step_s"]),
         "max_param_diff": report["max_param_diff"],
         "memory_gib": report["memory_mb"] / 1024,
     }
@@ -139,23 +141,29 @@ def run_sweep(base: DemoConfig, ranks: Sequence[int], workloads: Sequence[str]) 
 def print_sweep(result: dict) -> None:
     rows = list(result["points"][0]["rows"])
     print(
-        f"\n{'':<10}" + "".join(f"{row:>20}" for row in rows) + f"{'ODC+LB-Mini/lockstep':>22}{'planner':>9}"
-        f"{'error':>8}{'memory':>9}"
+        f"\n{'':<10}" + "".join(f"{row:>26}" for row in rows) + f"{'limit':>8}{'ODC+LB-Mini/lockstep':>22}"
+        f"{'planner':>9}{'error':>8}{'memory':>9}"
     )
-    print(f"{'':<10}" + f"{'s/step  idle':>20}" * len(rows) + f"{'measured':>22}")
+    print(f"{'':<10}" + f"{'s/step  idle  >limit':>26}" * len(rows) + f"{'s/step':>8}{'measured':>22}")
     for p in result["points"]:
-        cells = "".join(f"{r['median_step_s']:>13.3f}{r['idle_fraction']:>7.1%}" for r in p["rows"].values())
+        cells = "".join(
+            f"{r['median_step_s']:>12.3f}{r['idle_fraction']:>7.1%}{r['over_limit']:>+7.1%}" for r in p["rows"].values()
+        )
         print(
-            f"{p['workload']:<4}{p['ranks']:>3} rk{cells}{p['headline']:>21.3f}x{p['predicted_headline']:>8.3f}x"
-            f"{p['relative_error']:>+8.1%}{p['memory_gib']:>6.1f}GiB"
+            f"{p['workload']:<4}{p['ranks']:>3} rk{cells}{p['limit_step_s']:>8.3f}{p['headline']:>21.3f}x"
+            f"{p['predicted_headline']:>8.3f}x{p['relative_error']:>+8.1%}{p['memory_gib']:>6.1f}GiB"
         )
     print(
-        "EMULATED layer compute (the rest real); error: planner over measured factor, minus 1; memory: all ranks' PSS"
+        "EMULATED layer compute (the rest real); >limit: the row's step time above the limit (per mini-batch the "
+        "larger of its work over the ranks' summed speeds and its longest sample on the fastest rank), median over "
+        "mini-batches; error: planner over measured factor, minus 1; memory: all ranks' PSS"
     )
-    note = off_planner_note(
-        {f"{p['workload']} at {p['ranks']} ranks": p["relative_error"] for p in result["points"]}, "point"
-    )
-    if note:
+    labels = {f"{p['workload']} at {p['ranks']} ranks": p for p in result["points"]}
+    notes = [
+        off_planner_note({label: p["relative_error"] for label, p in labels.items()}, "point"),
+        unbalanceable_note({label: (p["samples_per_minibatch"], p["ranks"]) for label, p in labels.items()}),
+    ]
+    for note in filter(None, notes):
         print(f"NOTE: {note}")
 
 

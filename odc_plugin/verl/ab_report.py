@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..balance.step_time import off_planner_note
+from ..balance.step_time import off_planner_note, unbalanceable_note
 
 if TYPE_CHECKING:
     from .cpu.emulation import PhaseTime
@@ -307,40 +307,46 @@ def _ratio(slow: Mapping[int, float], fast: Mapping[int, float]) -> float | None
 def phase_report(
     runs: Sequence[Run],
     times: Mapping[str, Mapping[str, Sequence[PhaseTime]]] | None = None,
-    ideal: Mapping[str, Sequence[float]] | None = None,
     memory_gib: Mapping[str, float] | None = None,
     emulated: str | None = None,
 ) -> str:
     """Per FSDP phase, and all training phases together, every run's median s/step and the factors.
 
-    `times[label][phase][step - 1]` (emulated runs): the planner's time for the plans the run ran and the
-    ranks' emulated compute, which give the prediction, its error and the idle fraction; `ideal[phase]`
-    per step: the work over the ranks' summed speeds (with slow ranks). Long because it is one table,
-    row by row."""
+    `times[label][phase][step - 1]` (emulated runs): the planner's time for the plans the run ran, the
+    ranks' emulated compute and the limit, which give the prediction, its error, the idle fraction and
+    the distance to the limit. Long because it is one table, row by row."""
     times, by_label = times or {}, {r.label: r for r in runs}
     width = max(12, *(len(r.label) for r in runs))
     lines = [
         f"per phase, medians over steps {_steps_span(runs)}" + (f"; {emulated}" if emulated else ""),
-        f"{'phase':<14}{'run':<{width}}{'s/step':>9}{'idle':>8}{'planner':>9}{'error':>8}",
+        f"{'phase':<14}{'run':<{width}}{'s/step':>9}{'idle':>8}{'planner':>9}{'error':>8}{'over limit':>12}",
     ]
-    errors = {}
+    errors, limits, samples = {}, {}, {}
     phases = [p for p in FSDP_PHASES if any(_phase_steps(r, p) for r in runs)] + [TRAINING]
     for phase in phases:
         measured = {r.label: _phase_steps(r, phase) for r in runs}
         predicted = {}
         for label, steps in measured.items():
             phase_times = times.get(label, {}).get(phase)
-            cells = ["n/a", "n/a", "n/a"]
+            cells = ["n/a"] * 4
             if phase_times and steps:
                 predicted[label] = {s: phase_times[s - 1].predicted_s for s in steps}
                 idle = statistics.median(phase_times[s - 1].idle_fraction(t) for s, t in steps.items())
                 error = statistics.median(predicted[label][s] / t - 1 for s, t in steps.items())
+                over = statistics.median(t / phase_times[s - 1].limit_s - 1 for s, t in steps.items())
                 errors[f"{label} {phase}"] = error
-                cells = [f"{idle:.1%}", f"{statistics.median(predicted[label].values()):.3f}", f"{error:+.1%}"]
+                limits.setdefault(phase, statistics.median(phase_times[s - 1].limit_s for s in steps))
+                samples.setdefault(phase, (max(t.samples for t in phase_times), phase_times[0].ranks))
+                cells = [
+                    f"{idle:.1%}",
+                    f"{statistics.median(predicted[label].values()):.3f}",
+                    f"{error:+.1%}",
+                    f"{over:+.1%}",
+                ]
             median = f"{statistics.median(steps.values()):.3f}" if steps else "n/a"
             lines.append(
                 f"{phase if label == runs[0].label else '':<14}{label:<{width}}{median:>9}"
-                + "".join(f"{c:>{w}}" for c, w in zip(cells, (8, 9, 8)))
+                + "".join(f"{c:>{w}}" for c, w in zip(cells, (8, 9, 8, 12)))
             )
         factors = []
         for name, (slow, fast) in RUN_FACTORS.items():
@@ -349,17 +355,13 @@ def phase_report(
                 planned = _ratio(predicted[slow], predicted[fast]) if slow in predicted and fast in predicted else None
                 if value is not None:
                     factors.append(f"{name} {value:.3f}x" + (f" (planner {planned:.3f}x)" if planned else ""))
-        if ideal and phase in ideal:
-            for label, steps in measured.items():
-                if steps:
-                    over = statistics.median(t / ideal[phase][s - 1] - 1 for s, t in steps.items())
-                    factors.append(f"{label} {over:+.1%} over the ideal")
         if factors:
             lines.append(f"{'':<14}" + "; ".join(factors))
-    if ideal:
+    if limits:
         lines.append(
-            "ideal: the phase's emulated work over the ranks' summed speeds, "
-            + ", ".join(f"{p} {statistics.median(v):.3f} s" for p, v in ideal.items())
+            "limit: per pass the larger of its emulated work over the ranks' summed speeds and its longest sample "
+            "on the fastest rank, summed over the phase's passes (no plan does better): "
+            + ", ".join(f"{p} {v:.3f} s" for p, v in limits.items())
         )
     gen = {r.label: _phase_steps(r, "gen") for r in runs}
     controls = [f"{r.label} {_ratio(gen[runs[0].label], gen[r.label]):.2f}x" for r in runs[1:] if gen[r.label]]
@@ -377,20 +379,42 @@ def phase_report(
                 f"driver ({r.label}): LB-Mini {spent} per step, {total / _median(_per_step(r, lambda m: m[STEP])):.2%} "
                 "of its step"
             )
+    for r in runs:
+        share = _per_step(r, _rebuild_share)
+        if share:
+            seconds = _median(_per_step(r, lambda m: _odc_sum(m, "rebuild_s")))
+            held = max(_per_step(r, lambda m: _odc_sum(m, "held_outside_bytes")))
+            lines.append(
+                f"ODC's regions ({r.label}): built and released in {seconds * 1e3:.0f} ms per step (every odc role), "
+                f"{_median(share):.2%} of its training time; held between phases, control words aside: {held:.0f} B"
+            )
     if memory_gib:
         lines.append(
             "peak memory of the whole run (PSS): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in memory_gib.items())
         )
     lines.append(
         "idle: the share of the ranks' time in the phase spent outside emulated compute; planner: the same "
-        "plans, the same fit, compute only; error: planner over measured, minus 1"
+        "plans, the same fit, compute only; error: planner over measured, minus 1; over limit: measured over "
+        "the limit, minus 1"
         if times
-        else "idle and planner: emulated runs only (--emulate)"
+        else "idle, planner and limit: emulated runs only (--emulate)"
     )
-    note = off_planner_note(errors, "phase")
-    if note:
-        lines.append(f"NOTE: {note}")
+    for note in (off_planner_note(errors, "phase"), unbalanceable_note(samples)):
+        if note:
+            lines.append(f"NOTE: {note}")
     return "\n".join(lines)
+
+
+def _odc_sum(m: dict[str, float], key: str) -> float | None:
+    """A per-role odc memory metric summed over the roles (`<role>/odc/<key>`, the reference model's
+    `actor/odc/ref/<key>` too); None when the run has none."""
+    found = [v for k, v in m.items() if k.endswith(f"/odc/{key}") or k.endswith(f"/odc/ref/{key}")]
+    return sum(found) if found else None
+
+
+def _rebuild_share(m: dict[str, float]) -> float | None:
+    spent = _odc_sum(m, "rebuild_s")
+    return None if spent is None else spent / _phase_seconds(m, TRAINING)
 
 
 def _driver_seconds(key: str):

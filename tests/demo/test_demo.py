@@ -7,7 +7,7 @@ import json
 import pytest
 
 from odc_plugin.demo import main
-from odc_plugin.demo.config import DemoConfig
+from odc_plugin.demo.config import SAMPLES_PER_RANK, DemoConfig
 from odc_plugin.demo.rows import FACTORS, ROWS
 from odc_plugin.demo.run import run_demo
 from odc_plugin.demo.workload import draw_minibatches
@@ -63,7 +63,44 @@ def test_tiny_demo_reports_four_rows_that_train_the_same_samples_to_the_same_par
     assert 4 <= report["extra_bytes_per_param"] < 4.1, report["extra_bytes_per_param"]
     out = capfd.readouterr().out  # the progress lines come from rank 0's process
     assert "ODC+LB-Mini over the lockstep baseline on the same transport" in out and "mini-batch 2/2" in out
+    assert "nothing can be balanced" not in out  # 8 samples over 2 ranks
     assert "ODC's memory over FSDP2: " in out
+
+
+def test_the_default_mini_batch_gives_every_rank_several_samples():
+    for ranks in (1, 2, 16):
+        for workload in ("rl", "sft"):
+            cfg = DemoConfig(ranks=ranks, workload=workload)
+            assert cfg.samples_per_minibatch == SAMPLES_PER_RANK * ranks == len(draw_minibatches(cfg)[0])
+
+
+def test_a_run_with_one_sample_per_rank_says_nothing_can_be_balanced(tmp_path, capsys):
+    main(
+        [
+            "--ranks",
+            "2",
+            "--workload",
+            "sft",
+            "--mini-batch-size",
+            "2",
+            "--steps",
+            "1",
+            "--model-size",
+            "tiny",
+            "--max-token-len",
+            "256",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
+    out = capsys.readouterr().out.splitlines()
+    limit = next(line for line in out if line.startswith("limit: "))
+    assert "the larger of its work over the ranks' summed speeds and its longest sample on the fastest rank" in limit
+    note = out[out.index(limit) + 1 :]
+    assert any(
+        line.startswith("NOTE: each mini-batch (2 samples, 2 ranks): at most one sample per rank, so nothing can be")
+        for line in note
+    )
 
 
 def test_sft_workload_is_long_tailed_and_trains_response_likelihood():

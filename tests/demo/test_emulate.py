@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from odc_plugin.balance import FitCost
-from odc_plugin.balance.step_time import off_planner_note, simulate_minibatch
+from odc_plugin.balance.step_time import minibatch_limit, off_planner_note, simulate_minibatch, unbalanceable_note
 from odc_plugin.demo import main
 from odc_plugin.demo.config import DemoConfig
 from odc_plugin.demo.rows import AUTO_ROW, ROWS
@@ -96,7 +97,12 @@ def test_an_8_rank_emulated_run_trains_every_sample_once_per_row_to_the_same_par
         assert len(r["predicted_step_s"]) == 2 and all(t > 0 for t in r["predicted_step_s"])
     assert report["max_param_diff"] < 1e-5
     assert report["config"]["slowdowns"] == [1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]
-    assert report["memory_mb"] > 0 and len(report["ideal_step_s"]) == 2
+    assert report["memory_mb"] > 0
+    fit = EmulationFit.load(FIT_FILE, 0.05)
+    for limit, batch in zip(report["limit_step_s"], draw_minibatches(cfg)):
+        assert limit == minibatch_limit(fit.cost.costs([s.total for s in batch]), report["config"]["slowdowns"])
+    for r in report["runs"].values():  # no row beats the limit (the real work between layers only adds)
+        assert r["over_limit"] > 0
     with open(tmp_path / "odc_demo.json") as f:
         assert json.load(f)["factors"] == report["factors"]
     assert list(report["runs"]) == list(ROWS)
@@ -154,6 +160,7 @@ def test_a_sweep_point_writes_its_json_and_picture(tmp_path, capsys):
     (point,) = result["points"]
     assert (point["workload"], point["ranks"], point["samples_per_minibatch"]) == ("rl", 4, 16)
     assert set(point["rows"]) == set(ROWS) and point["headline"] > 0
+    assert point["limit_step_s"] > 0 and all(r["over_limit"] > 0 for r in point["rows"].values())
     assert point["relative_error"] == pytest.approx(point["predicted_headline"] / point["headline"] - 1)
     assert (tmp_path / "odc_sweep.png").stat().st_size > 0
     out = capsys.readouterr().out
@@ -172,6 +179,42 @@ def test_a_run_off_the_planner_says_so():
     assert off_planner_note({"odc+lb_mini": -0.05, "lockstep+lb_micro": 0.099}) is None
     note = off_planner_note({"odc+lb_mini": -0.05, "fsdp2+lb_micro": -0.31}, "row")
     assert note.startswith("more than 10% off the planner: fsdp2+lb_micro (-31.0%); the planner models compute only")
+
+
+def _best_split(costs, slowdown):
+    """The fastest any assignment of whole samples to ranks can be: every assignment tried."""
+    best = float("inf")
+    for owners in itertools.product(range(len(slowdown)), repeat=len(costs)):
+        loads = [0.0] * len(slowdown)
+        for cost, rank in zip(costs, owners):
+            loads[rank] += cost
+        best = min(best, max(load * f for load, f in zip(loads, slowdown)))
+    return best
+
+
+@pytest.mark.parametrize(
+    "costs,slowdown,limit",
+    [
+        ([3, 3, 2, 2, 2], [1.0, 1.0], 6.0),  # the work over the summed speeds, reached
+        ([9, 1, 1, 1], [1.0, 1.0, 1.0], 9.0),  # the longest sample, alone on a rank
+        ([4, 2, 2, 2, 2], [1.0, 2.0], 8.0),  # a rank at half speed: 12 over 1.5
+        ([6, 1, 1], [1.5, 1.0, 3.0], 6.0),  # the longest sample on the fastest rank
+    ],
+)
+def test_the_limit_is_what_no_split_of_whole_samples_beats(costs, slowdown, limit):
+    assert minibatch_limit(costs, slowdown) == pytest.approx(limit)
+    assert _best_split(costs, slowdown) >= limit - 1e-12
+    assert minibatch_limit(costs, slowdown, throughput=2.0) == pytest.approx(limit / 2)
+
+
+def test_a_mini_batch_of_one_sample_per_rank_or_fewer_says_nothing_can_be_balanced():
+    assert unbalanceable_note({"rl at 4 ranks": (16, 4)}) is None
+    note = unbalanceable_note({"rl at 4 ranks": (16, 4), "sft at 32 ranks": (16, 32), "sft at 16 ranks": (16, 16)})
+    assert note.startswith(
+        "sft at 32 ranks (16 samples, 32 ranks), sft at 16 ranks (16 samples, 16 ranks): at most one sample per "
+        "rank, so nothing can be balanced"
+    )
+    assert len(note.splitlines()) == 1
 
 
 def test_slow_ranks_spec():

@@ -186,18 +186,20 @@ def test_phase_report_gives_each_phase_every_run_and_the_factors(tmp_path):
     write_run(tmp_path / "lockstep.jsonl", [30, 11, 11, 11], [20, 5, 5, 5], val=False)
     write_run(tmp_path / "odc.jsonl", [30, 9, 9, 9], [20, 4, 4, 4], val=False)
     runs = [ab_report.load_run(str(tmp_path / f"{r}.jsonl"), r) for r in ("fsdp2", "lockstep", "odc")]
-    # the planner: 4.5 s for both lockstep runs, 4 for odc; 6 rank-seconds of compute on 2 ranks
+    # the planner: 4.5 s for both lockstep runs, 4 for odc; 6 rank-seconds of compute on 2 ranks; the
+    # limit 3.2 s; 3 samples in the step's one pass
     times = {
-        label: {"update_actor": [PhaseTime(4.0 if label == "odc" else 4.5, 6.0, 2)] * 4}
+        label: {"update_actor": [PhaseTime(4.0 if label == "odc" else 4.5, 6.0, 2, 3.2, 3)] * 4}
         for label in ("fsdp2", "lockstep", "odc")
     }
     text = ab_report.phase_report(runs, times, memory_gib={"odc": 6.5}, emulated="EMULATED layer compute")
     lines = text.splitlines()
     assert lines[0] == "per phase, medians over steps 2-4; EMULATED layer compute"
     update = lines.index(next(line for line in lines if line.startswith("update_actor")))
-    assert lines[update].split() == ["update_actor", "fsdp2", "6.000", "50.0%", "4.500", "-25.0%"]
-    assert lines[update + 1].split() == ["lockstep", "5.000", "40.0%", "4.500", "-10.0%"]
-    assert lines[update + 2].split() == ["odc", "4.000", "25.0%", "4.000", "+0.0%"]
+    assert lines[update].split() == ["update_actor", "fsdp2", "6.000", "50.0%", "4.500", "-25.0%", "+87.5%"]
+    assert lines[update + 1].split() == ["lockstep", "5.000", "40.0%", "4.500", "-10.0%", "+56.2%"]
+    assert lines[update + 2].split() == ["odc", "4.000", "25.0%", "4.000", "+0.0%", "+25.0%"]
+    assert "on the fastest rank, summed over the phase's passes (no plan does better): update_actor 3.200 s" in text
     assert lines[update + 3].strip() == (
         "transport 1.200x (planner 1.000x); ODC+LB-Mini over lockstep 1.250x (planner 1.125x); "
         "odc over fsdp2 1.500x (planner 1.125x)"
@@ -209,3 +211,8 @@ def test_phase_report_gives_each_phase_every_run_and_the_factors(tmp_path):
     assert "control: the rollout, which no strategy touches, over fsdp2's: lockstep 1.09x, odc 1.33x" in text
     assert "peak memory of the whole run (PSS): odc 6.5 GiB" in text
     assert "NOTE: more than 10% off the planner: fsdp2 update_actor (-25.0%);" in text
+    assert "nothing can be balanced" not in text
+    # with one sample per rank (2 samples, 2 ranks) the report says that no plan can help
+    times = {label: {"update_actor": [PhaseTime(4.0, 6.0, 2, 3.2, 2)] * 4} for label in ("fsdp2", "lockstep", "odc")}
+    note = ab_report.phase_report(runs, times).splitlines()[-1]
+    assert note.startswith("NOTE: update_actor (2 samples, 2 ranks): at most one sample per rank, so nothing can be")

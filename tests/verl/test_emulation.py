@@ -16,7 +16,7 @@ from odc_plugin.balance.step_time import simulate_minibatch
 from odc_plugin.layer_time import EmulationFit
 from odc_plugin.models import build_qwen2
 from odc_plugin.verl.cpu import EMULATION_ENV
-from odc_plugin.verl.cpu.emulation import Emulation, ideal_times, phase_times, record_pass
+from odc_plugin.verl.cpu.emulation import Emulation, phase_times, record_pass
 
 ROOT = Path(__file__).resolve().parents[2]
 FIT_FILE = str(ROOT / "configs" / "cost_fit" / "Qwen2.5-7B-H100.json")
@@ -108,10 +108,10 @@ def test_phase_times_are_the_planners_time_of_the_passes_the_ranks_ran(tmp_path)
             busy = sum(c * f for rank, f in zip(plan, [1.0, 1.5]) for mb in rank for c in [costs[mb[0]]])
             assert times["update_actor"][step].busy_rank_s == pytest.approx(busy)
             assert times["update_actor"][step].idle_fraction(want) == pytest.approx(1 - busy / (2 * want))
-    ideal = ideal_times(emulation, str(tmp_path), 2, [1.0, 1.5])
-    assert ideal["update_actor"][0] == pytest.approx(
-        phase_times(emulation, str(tmp_path), 2, [1.0, 1.0], lockstep=False)["update_actor"][0].busy_rank_s
-        / (1 + 1 / 1.5)
-    )
+            # the limit: the work over the ranks' summed speeds, or the longest sample on the fastest rank
+            each = [fit.seconds([64 * s]) for rank in (0, 1) for mb in plans[rank][step] for s in mb]
+            limit = max(sum(each) / (1 + 1 / 1.5), max(each))
+            assert times["update_actor"][step].limit_s == pytest.approx(limit)
+            assert times["update_actor"][step].samples == len(each) == (5, 4)[step]
     with pytest.raises(ValueError, match="not the same multiple of 3 steps"):
         phase_times(emulation, str(tmp_path), 3, [1.0, 1.5], lockstep=False)

@@ -71,6 +71,7 @@ def test_the_report_has_every_phase_and_says_what_was_emulated(emulated):
     assert "EMULATED from Qwen2.5-7B" in report and "ODC+LB-Mini over lockstep" in report
     assert "control: the rollout" in report and "driver (odc): LB-Mini planning" in report
     assert "peak memory of the whole run (PSS): fsdp2" in report
+    assert "limit: per pass the larger of its emulated work over the ranks' summed speeds" in report
 
 
 @pytest.mark.parametrize(

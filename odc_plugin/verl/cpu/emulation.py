@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ...balance.lengths import RL_PROFILE, load_lengths, rl_math_like
-from ...balance.step_time import simulate_minibatch
+from ...balance.step_time import minibatch_limit, simulate_minibatch
 from ...layer_time import EmulationFit
 from . import EMULATION_ENV
 
@@ -134,6 +134,8 @@ class PhaseTime:
     predicted_s: float  # the planner: the same plans, the fit, each rank's slowdown
     busy_rank_s: float  # emulated compute of all ranks together
     ranks: int
+    limit_s: float  # per pass step_time.minibatch_limit of its samples, summed: no plan does better
+    samples: int  # the most samples of any of the step's passes
 
     def idle_fraction(self, measured_s: float) -> float:
         """The share of the ranks' time in the measured phase not spent in emulated compute."""
@@ -157,7 +159,8 @@ def phase_times(
     compute. Every step runs each phase the same number of times (one pass per forward-only phase, one
     per mini-batch and epoch of an update), so a rank's k-th pass of a phase belongs to step
     k // passes_per_step. `lockstep`: FSDP's per-layer synchronization (fsdp2, or odc's lockstep
-    baseline), where every micro-batch step lasts as long as its slowest rank; else ODC's."""
+    baseline), where every micro-batch step lasts as long as its slowest rank; else ODC's. Long because it
+    is one walk over phases, steps, passes and ranks."""
     fit = emulation.layer_fit()
     if fit is None:
         raise ValueError("phase times need an emulated run (a fit)")
@@ -173,7 +176,8 @@ def phase_times(
         seconds = fit.seconds if PHASES[phase] else fit.forward_seconds
         times = []
         for step in range(steps):
-            predicted = busy = 0.0
+            predicted = busy = limit = 0.0
+            samples = 0
             for k in range(step * per_step, (step + 1) * per_step):
                 costs, plan = [], []
                 for r in range(ranks):
@@ -183,18 +187,9 @@ def phase_times(
                         costs.append(seconds(emulation.true_lengths(lengths)))
                 predicted += simulate_minibatch(plan, costs, lockstep=lockstep, slowdown=slowdowns).seconds
                 busy += sum(costs[i] * f for rank, f in zip(plan, slowdowns) for mb in rank for i in mb)
-            times.append(PhaseTime(predicted, busy, ranks))
+                each = [seconds(emulation.true_lengths([n])) for r in range(ranks) for mb in by_rank[r][k] for n in mb]
+                limit += minibatch_limit(each, slowdowns)
+                samples = max(samples, len(each))
+            times.append(PhaseTime(predicted, busy, ranks, limit, samples))
         out[phase] = times
     return out
-
-
-def ideal_times(
-    emulation: Emulation, passes_dir: str, steps: int, slowdowns: Sequence[float]
-) -> dict[str, list[float]]:
-    """Per phase and step, the work over the ranks' summed speeds: no rank ever idle."""
-    speed = sum(1 / f for f in slowdowns)
-    ones = [1.0] * len(slowdowns)
-    return {
-        phase: [t.busy_rank_s / speed for t in times]
-        for phase, times in phase_times(emulation, passes_dir, steps, ones, lockstep=False).items()
-    }

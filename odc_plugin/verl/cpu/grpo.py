@@ -535,7 +535,7 @@ def describe(emulation: Emulation) -> str:
 def report(results: list[RunResult], args, emulation: Emulation | None, out_dir: str) -> str:
     """The A/B report of the first run against the last, and with more runs or emulated ones, phase by phase."""
     from .. import ab_report
-    from .emulation import ideal_times, phase_times
+    from .emulation import phase_times
 
     runs = [ab_report.load_run(r.metrics_file, r.strategy, skip_first=1 if args.steps > 1 else 0) for r in results]
     text = ab_report.format_report(ab_report.compare(runs[0], runs[-1]))
@@ -546,7 +546,7 @@ def report(results: list[RunResult], args, emulation: Emulation | None, out_dir:
         )
     if len(runs) < 3 and not (emulation and emulation.fit):
         return text
-    times, ideal, label = {}, None, None
+    times, label = {}, None
     if emulation and emulation.fit:
         slowdowns = parse_slow_ranks(args.slow_ranks, args.ranks)
         slowdowns = [slowdowns.get(r, 1.0) for r in range(args.ranks)]
@@ -557,11 +557,9 @@ def report(results: list[RunResult], args, emulation: Emulation | None, out_dir:
             times[r.strategy] = phase_times(
                 own, own.passes_dir, r.steps, slowdowns, lockstep=r.strategy in ("fsdp2", "lockstep")
             )
-            if ideal is None and any(f != 1.0 for f in slowdowns):
-                ideal = ideal_times(own, own.passes_dir, r.steps, slowdowns)
         label = describe(emulation).splitlines()[0]
     memory = {r.strategy: r.peak_pss_gib for r in results}
-    return text + "\n\n" + ab_report.phase_report(runs, times, ideal, memory, label)
+    return text + "\n\n" + ab_report.phase_report(runs, times, memory, label)
 
 
 def main(argv: list[str] | None = None) -> int:
