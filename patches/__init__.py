@@ -87,6 +87,18 @@ def require_attr(owner, name: str, patch: str):
     return getattr(owner, name)
 
 
+def parameters(fn) -> list[str]:
+    """The parameter names of verl's function `fn` as its code declares them. Not inspect.signature, which
+    reads a `__signature__` first: Ray's tracing sets one with an added `_ray_trace_ctx` on the functions of
+    every class it makes an actor of (verl's TrainingWorker for a critic, before odc checks it)."""
+    import inspect
+
+    code = fn.__code__
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    return list(code.co_varnames[:count])
+
+
 def odc_subclass(kind: str, base: type, name: str, module: str, mixins: tuple[type, ...] = (), **members) -> type:
     """The subclass of verl's `base` that odc runs use: `members`, and what each patch of PATCHES adds for
     `kind` (one of KINDS), on `mixins` + `base`. Checks verl's version and every patch's assumptions first;

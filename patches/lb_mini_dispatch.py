@@ -44,7 +44,7 @@ import logging
 import os
 import time
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, require_attr, require_verl_version
 
 VERL_VERSION = "0.9.1"
 NAME = "lb_mini_dispatch"
@@ -332,9 +332,9 @@ def _check_trainer(trainer: type) -> None:
     """The stage methods of verl's trainer class, checked to be what _wrap_stage wraps."""
     for name, params in _SIGNATURES.items():
         fn = require_attr(trainer, name, NAME)
-        if list(inspect.signature(fn).parameters) != params:
+        if parameters(fn) != params:
             raise PatchError(
-                f"odc patch '{NAME}': {trainer.__name__}.{name}{inspect.signature(fn)} is no longer "
+                f"odc patch '{NAME}': {trainer.__name__}.{name}({', '.join(parameters(fn))}) is no longer "
                 f"({', '.join(params)})"
             )
         missing = [n for n in _TRAINER_USES[name] if n not in fn.__code__.co_names]

@@ -33,7 +33,7 @@ import functools
 import inspect
 from itertools import chain
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, require_attr, require_verl_version
 
 VERL_VERSION = "0.9.1"
 NAME = "lb_mini_worker"
@@ -67,9 +67,9 @@ def _original(current):
             f"odc patch '{NAME}': TrainingWorker.train_mini_batch is not wrapped as "
             f"register(tqbridge(function)) any more"
         )
-    if list(inspect.signature(raw).parameters) != ["self", "data"]:
+    if parameters(raw) != ["self", "data"]:
         raise PatchError(
-            f"odc patch '{NAME}': TrainingWorker.train_mini_batch{inspect.signature(raw)} is not (self, data)"
+            f"odc patch '{NAME}': TrainingWorker.train_mini_batch({', '.join(parameters(raw))}) is not (self, data)"
         )
     missing = [n for n in _ORIGINAL_USES if n not in raw.__code__.co_names]
     if missing:

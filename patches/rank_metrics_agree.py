@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, require_attr, require_verl_version
 
 VERL_VERSION = "0.9.1"
 NAME = "rank_metrics_agree"
@@ -36,7 +36,7 @@ def extend(kind: str, base: type, members: dict) -> None:
         return
     require_verl_version(NAME, VERL_VERSION)
     current = require_attr(base, "_postprocess_output", NAME)
-    found = list(inspect.signature(current).parameters)
+    found = parameters(current)
     if found != _PARAMS:
         raise PatchError(
             f"odc patch '{NAME}': TrainingWorker._postprocess_output({', '.join(found)}) is not ({', '.join(_PARAMS)})"

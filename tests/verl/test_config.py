@@ -11,6 +11,7 @@ ships them, else the repository's `configs/` directory (see `test_configs_ship_i
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -340,13 +341,14 @@ def test_configs_ship_in_the_package():
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 @pytest.mark.parametrize("strategy", ["fsdp2", "odc"])
 def test_example_command_passes_validation(script, strategy, tmp_path):
-    """Each example's main_ppo command line (DRY_RUN=1 prints it) composes and passes verl's checks."""
+    """Each example's main_ppo command line (DRY_RUN=1 prints it, then the planner's prediction under a
+    `# odc-plan` line) composes and passes verl's checks."""
     env = dict(os.environ, DRY_RUN="1", STRATEGY=strategy, ODC_CONFIGS=SEARCHPATH, OUT_DIR=str(tmp_path))
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     args = proc.stdout.splitlines()
     start = args.index("verl.trainer.main_ppo") + 1
-    overrides = args[start:]
+    overrides = list(itertools.takewhile(lambda arg: not arg.startswith("# odc-plan"), args[start:]))
     cfg = compose_ppo(overrides)
     validate(cfg)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)

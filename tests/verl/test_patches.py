@@ -226,6 +226,22 @@ def test_worker_patch_refuses_changed_signature(monkeypatch):
         _extend(lb_mini_worker)
 
 
+def test_the_patches_read_verls_signatures_as_written_after_ray_made_an_actor_of_the_class(monkeypatch):
+    """Ray's tracing gives every function of a class it makes an actor of a `__signature__` with an added
+    `_ray_trace_ctx` (verl's driver does so for the critic's TrainingWorker before odc builds its subclass):
+    the patches' checks read the code's own parameters, so a PPO run with a critic on odc is not refused."""
+    import ray
+
+    raw = TrainingWorker.train_mini_batch.__wrapped__.__wrapped__
+    checked = (raw, TrainingWorker._postprocess_output)
+    for fn in checked:  # restored after the test
+        monkeypatch.setattr(fn, "__signature__", inspect.signature(fn), raising=False)
+    ray.remote(TrainingWorker)
+    assert all("_ray_trace_ctx" in inspect.signature(fn).parameters for fn in checked)
+    _extend(lb_mini_worker)
+    _extend(rank_metrics_agree)
+
+
 # ---------------------------------------------------------------------------------------------
 # lb_mini_dispatch: the workers' dispatch, the trainer's stages
 # ---------------------------------------------------------------------------------------------
