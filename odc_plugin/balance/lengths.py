@@ -280,17 +280,33 @@ class LoggedLengths:
         return np.clip(np.rint(values), max(self.min, 0), self.max).astype(int)
 
 
+def read_metrics(path: str) -> dict[int, dict[str, float]]:
+    """All records of a `file` logger output, merged per step (a step may be logged more than once)."""
+    steps: dict[int, dict[str, float]] = {}
+    try:
+        with open(path, encoding="utf-8") as fp:
+            for number, line in enumerate(fp, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    step, data = int(record["step"]), record["data"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{number}: not a verl file-logger record ({e})") from None
+                merged = steps.setdefault(step, {})
+                for key, value in data.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                        merged[key] = float(value)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such metrics file") from None
+    return steps
+
+
 def logged_step_lengths(path: str) -> dict[int, tuple[LoggedLengths, LoggedLengths]]:
     """Per training step, (prompt, response) length statistics from verl's `file` logger output
     (`trainer.logger=[...,file]`: one JSON line {"step", "data"} per step). A step's sample count is its
     `perf/total_num_tokens` over its mean prompt + response length."""
-    # The A/B report's reader of the same file (pure Python, no verl import).
-    from odc_plugin.verl.ab_report import ReportError, read_metrics
-
-    try:
-        records = read_metrics(path)
-    except ReportError as e:
-        raise ValueError(str(e)) from None
+    records = read_metrics(path)
     steps = {}
     for step, data in records.items():
         keys = [f"{name}/{stat}" for name in ("prompt_length", "response_length") for stat in ("mean", "max", "min")]

@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 import torch.distributed as dist
 
-from .base import ODCError, ODCPeerFailedError, ODCTimeoutError, Region, Transport
+from .base import DelegatingTransport, ODCError, ODCPeerFailedError, ODCTimeoutError, Region, Transport
 
 TransportName = Literal["auto", "shm", "cuda_ipc", "nvshmem"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
@@ -41,6 +41,7 @@ def make_transport(kind: str = "auto", group: dist.ProcessGroup | None = None, *
 
 
 __all__ = [
+    "DelegatingTransport",
     "ODCError",
     "ODCPeerFailedError",
     "ODCTimeoutError",

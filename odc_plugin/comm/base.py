@@ -304,3 +304,64 @@ class Transport(abc.ABC):
             raise ValueError(
                 f"range [{offset}, {offset + n}) outside region '{region.name}' of {region.numel} elements"
             )
+
+
+class DelegatingTransport(Transport):
+    """A transport that hands every call to `inner`, whose regions, waits, failure notices and round state
+    are the ones in use; a subclass overrides only the calls it times or watches (odc-demo's timeline,
+    tests that delay a stream)."""
+
+    def __init__(self, inner: Transport):
+        super().__init__(inner.rank, inner.world_size)
+        self.inner = inner
+
+    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
+        return self.inner.alloc(name, numel, dtype)
+
+    def free(self, name: str) -> None:
+        self.inner.free(name)
+
+    def region_bytes(self, region: Region) -> int:
+        return self.inner.region_bytes(region)
+
+    def control_bytes(self) -> int:
+        return self.inner.control_bytes()
+
+    def staging_bytes(self) -> int:
+        return self.inner.staging_bytes()
+
+    def mapped_bytes(self) -> int:
+        return self.inner.mapped_bytes()
+
+    def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
+        self.inner.get(region, peer, offset, out)
+
+    def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
+        self.inner.accumulate(region, peer, offset, src)
+
+    def barrier(self, timeout_s: float) -> None:
+        self.inner.barrier(timeout_s)
+
+    def wait_at_least(self, region: Region, peer: int, offset: int, value: int, timeout_s: float, what: str) -> None:
+        self.inner.wait_at_least(region, peer, offset, value, timeout_s, what)
+
+    def signal(self, region: Region, offset: int, value: int) -> None:
+        self.inner.signal(region, offset, value)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def announce_failure(self, message: str) -> None:
+        self.inner.announce_failure(message)
+
+    def failures(self) -> list[FailureNotice]:
+        return self.inner.failures()
+
+    def raise_if_a_peer_failed(self) -> None:
+        self.inner.raise_if_a_peer_failed()
+
+    def recover(self, timeout_s: float) -> list[FailureNotice]:
+        return self.inner.recover(timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from ..comm import Region, Transport
+from ..comm import DelegatingTransport, Transport
 from ..fsdp._fsdp_internals import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 
 TRANSFER, PUBLISHED, BARRIER, COLLECTIVE = "transfer", "published", "barrier", "collective"
@@ -112,31 +112,12 @@ def time_fsdp_collectives(model: torch.nn.Module, clock: CommClock) -> None:
             module.set_custom_reduce_scatter(_TimedReduceScatter(clock))
 
 
-class TimedTransport(Transport):
-    """A transport whose one-sided calls and barrier are recorded on a clock."""
+class TimedTransport(DelegatingTransport):
+    """A transport whose one-sided calls, waits and barriers are recorded on a clock."""
 
     def __init__(self, inner: Transport, clock: CommClock):
-        super().__init__(inner.rank, inner.world_size)
-        self.inner, self.clock = inner, clock
-
-    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        return self.inner.alloc(name, numel, dtype)
-
-    # Memory is the inner transport's.
-    def free(self, name):
-        self.inner.free(name)
-
-    def region_bytes(self, region):
-        return self.inner.region_bytes(region)
-
-    def control_bytes(self):
-        return self.inner.control_bytes()
-
-    def staging_bytes(self):
-        return self.inner.staging_bytes()
-
-    def mapped_bytes(self):
-        return self.inner.mapped_bytes()
+        super().__init__(inner)
+        self.clock = clock
 
     def get(self, region, peer, offset, out):
         self.clock.timed(TRANSFER, self.inner.get, region, peer, offset, out)
@@ -150,24 +131,5 @@ class TimedTransport(Transport):
     def barrier(self, timeout_s):
         self.clock.timed(BARRIER, self.inner.barrier, timeout_s)
 
-    # Failure notices and recovery are the inner transport's: its waits read them, and so do these.
-    def announce_failure(self, message):
-        self.inner.announce_failure(message)
-
-    def failures(self):
-        return self.inner.failures()
-
-    def raise_if_a_peer_failed(self):
-        self.inner.raise_if_a_peer_failed()
-
     def recover(self, timeout_s):
         return self.clock.timed(BARRIER, self.inner.recover, timeout_s)
-
-    def signal(self, region, offset, value):
-        self.inner.signal(region, offset, value)
-
-    def synchronize(self):
-        self.inner.synchronize()
-
-    def close(self):
-        self.inner.close()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..balance.lengths import read_metrics
 from ..balance.step_time import off_planner_note, unbalanceable_note
 
 if TYPE_CHECKING:
@@ -72,32 +72,14 @@ class Run:
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # training steps only, in order
 
 
-def read_metrics(path: str) -> dict[int, dict[str, float]]:
-    """All records of a `file` logger output, merged per step (a step may be logged more than once)."""
-    steps: dict[int, dict[str, float]] = {}
-    try:
-        with open(path, encoding="utf-8") as fp:
-            for number, line in enumerate(fp, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    step, data = int(record["step"]), record["data"]
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ReportError(f"{path}:{number}: not a verl file-logger record ({e})") from None
-                merged = steps.setdefault(step, {})
-                for key, value in data.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                        merged[key] = float(value)
-    except FileNotFoundError:
-        raise ReportError(f"{path}: no such metrics file") from None
-    return steps
-
-
 def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
     """The run's training steps after the first `skip_first`."""
     label = label or os.path.splitext(os.path.basename(path))[0]
-    training = {s: m for s, m in sorted(read_metrics(path).items()) if STEP in m}
+    try:
+        records = read_metrics(path)
+    except ValueError as e:
+        raise ReportError(str(e)) from None
+    training = {s: m for s, m in sorted(records.items()) if STEP in m}
     if len(training) <= skip_first:
         raise ReportError(
             f"{path}: {len(training)} training step(s) with {STEP}, need more than --skip-first={skip_first}"

@@ -4,45 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from odc_plugin.comm import Transport, make_transport
+from odc_plugin.comm import DelegatingTransport, Transport, make_transport
 from odc_plugin.fsdp import ODCConfig, apply_odc
 from odc_plugin.models import token_mean_loss
 
 from .workers import TRANSPORT, count_targets, full_grads, on_device, sharded_model
 
 
-class WatchedTransport(Transport):
+class WatchedTransport(DelegatingTransport):
     """A transport that, before each accumulate of gradients, can delay the stream it runs on (a GPU's
     reduce-scatter stream lagging behind compute) and records whether an ODC reduce-scatter hook still
     holds the buffer the accumulate reads."""
 
     def __init__(self, inner: Transport, delay_cycles: int = 0):
-        super().__init__(inner.rank, inner.world_size)
-        self.inner, self.delay_cycles = inner, delay_cycles
+        super().__init__(inner)
+        self.delay_cycles = delay_cycles
         self.odc = None  # set once apply_odc has returned
         self.held: list[bool] = []
-
-    def alloc(self, name, numel, dtype):
-        return self.inner.alloc(name, numel, dtype)
-
-    # Memory is the inner transport's.
-    def free(self, name):
-        self.inner.free(name)
-
-    def region_bytes(self, region):
-        return self.inner.region_bytes(region)
-
-    def control_bytes(self):
-        return self.inner.control_bytes()
-
-    def staging_bytes(self):
-        return self.inner.staging_bytes()
-
-    def mapped_bytes(self):
-        return self.inner.mapped_bytes()
-
-    def get(self, region, peer, offset, out):
-        self.inner.get(region, peer, offset, out)
 
     def accumulate(self, region, peer, offset, src):
         if self.odc is not None and offset < self.odc.grad_numel:  # gradients, not the used flags
@@ -56,30 +34,6 @@ class WatchedTransport(Transport):
             if self.delay_cycles and src.is_cuda:
                 torch.cuda._sleep(self.delay_cycles)
         self.inner.accumulate(region, peer, offset, src)
-
-    def barrier(self, timeout_s):
-        self.inner.barrier(timeout_s)
-
-    def wait_at_least(self, region, peer, offset, value, timeout_s, what):
-        self.inner.wait_at_least(region, peer, offset, value, timeout_s, what)
-
-    def signal(self, region, offset, value):
-        self.inner.signal(region, offset, value)
-
-    def synchronize(self):
-        self.inner.synchronize()
-
-    def announce_failure(self, message):
-        self.inner.announce_failure(message)
-
-    def failures(self):
-        return self.inner.failures()
-
-    def recover(self, timeout_s):
-        return self.inner.recover(timeout_s)
-
-    def close(self):
-        self.inner.close()
 
 
 class _LetGo(list):
