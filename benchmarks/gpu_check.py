@@ -198,7 +198,7 @@ STEPS = (
         "item 3: ODC over stock FSDP2 at world size 1, Qwen2.5-0.5B bf16, trained and forward-only, and memory",
         ("python", "benchmarks/bench_odc_core.py", "--device", "cuda", "--ranks", "1", "--skews", "1")
         + ("--model-size", "Qwen2.5-0.5B", "--rows", "fsdp2+lb_micro", "odc+lb_micro", "--mixed-precision")
-        + ("--base-len", "4096", "--steps", "5", "--forward-only"),
+        + ("--base-len", "4096", "--steps", "10", "--forward-only"),
         180,
         "timed",
         env="verl",  # LB-Mini's plan packs micro-batches with verl's own functions

@@ -1,5 +1,6 @@
 """ODC on FSDP2: FSDP's collectives replaced by one-sided gets and accumulates."""
 
+from ..comm import ODCError, ODCPeerFailedError, ODCTimeoutError
 from .mesh import DataParallelMesh, data_parallel_mesh, shard_group
 from .odc import MiniBatchStats, ODCConfig, OnDemandComm, apply_odc
 
@@ -7,6 +8,9 @@ __all__ = [
     "DataParallelMesh",
     "MiniBatchStats",
     "ODCConfig",
+    "ODCError",
+    "ODCPeerFailedError",
+    "ODCTimeoutError",
     "OnDemandComm",
     "apply_odc",
     "data_parallel_mesh",
