@@ -78,8 +78,9 @@ def print_table(report: dict) -> None:
         f"{report['max_param_diff']:.2e}; memory of all ranks: {report['memory_mb'] / 1024:.1f} GiB (PSS)"
     )
     print(
-        f"ODC's memory over FSDP2: {report['extra_bytes_per_param']:.3f} bytes per parameter of a rank's shards "
-        f"(the published shards in the gather dtype, the accumulator's padding and flags; measured from its regions)"
+        f"ODC's memory over FSDP2: {report['extra_bytes_per_param']:.3f} bytes per parameter, all ranks' "
+        f"regions over all ranks' shards (the published shards in the gather dtype, the accumulator's padding and "
+        f"flags, the zeros .grad points at)"
     )
 
 

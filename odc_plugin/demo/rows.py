@@ -160,7 +160,10 @@ def final_param_diff(rows: dict[str, Row]) -> float:
     return max((params[n] - ref[n]).abs().max().item() for params in final.values() for n in ref)
 
 
-def extra_bytes_per_param(rows: dict[str, Row]) -> float:
-    """What ODC holds beyond stock FSDP2 per parameter of this rank's shards, measured from the regions
-    of the ODC rows (the largest: they share the model, the lockstep row its regions too)."""
-    return max(row.odc.memory_bytes().extra_bytes_per_param for row in rows.values() if row.odc)
+def odc_extra_bytes(rows: dict[str, Row]) -> tuple[int, int]:
+    """What ODC holds beyond stock FSDP2 on this rank, in bytes, measured from the regions of the ODC rows
+    (the largest: they share the model, the lockstep row its regions too), and the elements of the rank's
+    shards. Summed over ranks before dividing: a small model's shards can be nearly empty on some rank at
+    many ranks, which only its fixed flags and padding would then measure."""
+    memory = max((row.odc.memory_bytes() for row in rows.values() if row.odc), key=lambda m: m.regions)
+    return memory.regions - memory.grad_storage, memory.shard_numel

@@ -32,9 +32,9 @@ from .rows import (
     AUTO_ROW,
     ROWS,
     build_rows,
-    extra_bytes_per_param,
     factors,
     final_param_diff,
+    odc_extra_bytes,
     plan_of,
     step_breakdown,
     train_minibatch,
@@ -185,7 +185,7 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
         "record": record,
         "max_param_diff": final_param_diff(rows),
         "memory_mb": _memory_mb(),
-        "extra_bytes_per_param": extra_bytes_per_param(rows),
+        "odc_extra_bytes": odc_extra_bytes(rows),
         "auto_plans": plans.get(AUTO_ROW),
         "auto_fits": [f and dataclasses.asdict(f) for f in auto_fits],
     }
@@ -255,7 +255,8 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, limit, calibration)
         "calibration": calibration,
         "max_param_diff": max(r["max_param_diff"] for r in per_rank),
         "memory_mb": sum(r["memory_mb"] for r in per_rank),
-        "extra_bytes_per_param": max(r["extra_bytes_per_param"] for r in per_rank),
+        "extra_bytes_per_param": sum(r["odc_extra_bytes"][0] for r in per_rank)
+        / max(sum(r["odc_extra_bytes"][1] for r in per_rank), 1),
         "auto_fits": per_rank[0]["auto_fits"],  # the fit each auto mini-batch was planned with (None: prior)
     }
 
