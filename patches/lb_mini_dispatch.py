@@ -38,6 +38,7 @@ dispatching it; the subclasses override exactly those.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -189,7 +190,7 @@ def _stage_settings(trainer, stage: str):
         return cache[stage]
     from verl.utils.config import omega_conf_to_dataclass
 
-    from odc_plugin.verl.dispatch import lb_mini_settings
+    from odc_plugin.verl.dispatch import actor_packing, critic_packing, lb_mini_settings
 
     _check_losses(trainer)  # done at init; here for a trainer whose init did not run (tests)
     config = trainer.config
@@ -197,22 +198,16 @@ def _stage_settings(trainer, stage: str):
     settings = None
     if stage == "actor" and roles.actor.get("strategy") == "odc":
         actor = omega_conf_to_dataclass(roles.actor)
-        # what ActorRolloutRefWorker.init_model gives the actor's engine (engine_workers.py:619-628)
         settings = lb_mini_settings(
             actor.engine,
-            use_dynamic_bsz=actor.use_dynamic_bsz,
-            max_token_len=actor.ppo_max_token_len_per_gpu,
-            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+            **dataclasses.asdict(actor_packing(actor)),
             model_config=lambda: omega_conf_to_dataclass(roles.model).hf_config,
         )
     elif stage == "critic" and config.critic.get("strategy") == "odc":
         critic = omega_conf_to_dataclass(config.critic)
-        # what PPOTrainer._setup gives the critic's engine (trainer_base.py:266-268)
         settings = lb_mini_settings(
             critic.engine,
-            use_dynamic_bsz=critic.engine.use_dynamic_bsz,
-            max_token_len=critic.ppo_infer_max_token_len_per_gpu,
-            micro_batch_size=critic.engine.micro_batch_size_per_gpu,
+            **dataclasses.asdict(critic_packing(critic)),
             model_config=lambda: critic.model.hf_config,
         )
     elif stage == "old_log_prob" or (stage == "ref_log_prob" and trainer.ref_in_actor):

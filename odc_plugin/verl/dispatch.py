@@ -387,11 +387,11 @@ def check_losses(config) -> dict[str, Verdict]:
     if roles.actor.get("strategy") == "odc":
         actor = omega_conf_to_dataclass(roles.actor)
         correction = config.algorithm.get("rollout_correction") or {}
+        packing = actor_packing(actor)
         shape = ProbeShape(
             dp_size=ranks // _sp_size(actor.engine),
             samples=actor.ppo_mini_batch_size * roles.rollout.n,
-            micro_batch_size=None if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu,
-            max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            **packing.probed(),
             **lengths,
         )
         # what the trainer adds to the batch in decoupled rollout correction (trainer_base.py:1765-1793)
@@ -403,18 +403,18 @@ def check_losses(config) -> dict[str, Verdict]:
             actor,
             lambda c, **kw: probe_actor_loss(c, shape, rollout_is_weights=weights, **kw),
             shape,
-            _packs_as_fsdp2(actor.engine, actor.use_dynamic_bsz),
+            _packs_as_fsdp2(actor.engine, packing.use_dynamic_bsz),
         )
     if need_critic(config) and config.critic.get("strategy") == "odc":
         # without its model: instantiating the model's config loads its tokenizer, which no loss reads
         node = OmegaConf.to_container(config.critic, resolve=True)
         node.pop("model")
         critic = omega_conf_to_dataclass(node)
+        packing = critic_packing(critic)
         shape = ProbeShape(
             dp_size=ranks // _sp_size(critic.engine),
             samples=critic.ppo_mini_batch_size * roles.rollout.n,
-            micro_batch_size=None if critic.use_dynamic_bsz else critic.ppo_micro_batch_size_per_gpu,
-            max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+            **packing.probed(),
             **lengths,
         )
         verdicts["critic"] = _check_role(
@@ -422,7 +422,7 @@ def check_losses(config) -> dict[str, Verdict]:
             critic,
             lambda c, **kw: probe_critic_loss(c, shape, **kw),
             shape,
-            _packs_as_fsdp2(critic.engine, critic.use_dynamic_bsz),
+            _packs_as_fsdp2(critic.engine, packing.use_dynamic_bsz),
         )
     return verdicts
 
@@ -476,6 +476,36 @@ def _invariant(probe: Callable, config) -> bool:
         return probe(config, trials=1).invariant
     except (ValueError, AssertionError, TypeError):
         return False
+
+
+@dataclass(frozen=True)
+class TrainPacking:
+    """How verl's engine of a role cuts its training mini-batches into micro-batches: the settings it is
+    built with, which are not always the role's keys of the same name."""
+
+    use_dynamic_bsz: bool
+    max_token_len: int | None
+    micro_batch_size: int | None
+
+    def probed(self) -> dict[str, int | None]:
+        """The packing as the loss probe takes it: a token budget or a fixed size, not both."""
+        if self.use_dynamic_bsz:
+            return {"max_token_len": self.max_token_len, "micro_batch_size": None}
+        return {"max_token_len": None, "micro_batch_size": self.micro_batch_size}
+
+
+def actor_packing(actor) -> TrainPacking:
+    """The actor's (an FSDPActorConfig): what ActorRolloutRefWorker.init_model gives its engine
+    (engine_workers.py:619-628)."""
+    return TrainPacking(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, actor.ppo_micro_batch_size_per_gpu)
+
+
+def critic_packing(critic) -> TrainPacking:
+    """The critic's (a CriticConfig): what PPOTrainer._setup gives its engine (v1/trainer_base.py:266-268).
+    verl 0.9.1 builds it from the engine config alone, whose use_dynamic_bsz defaults to True, with the
+    critic's inference token budget; `critic.use_dynamic_bsz` and `ppo_micro_batch_size_per_gpu` do not reach it."""
+    engine = critic.engine
+    return TrainPacking(engine.use_dynamic_bsz, critic.ppo_infer_max_token_len_per_gpu, engine.micro_batch_size_per_gpu)
 
 
 def _packs_as_fsdp2(engine_config, use_dynamic_bsz: bool) -> bool:

@@ -289,6 +289,22 @@ def test_roles_on_fsdp2_are_not_probed_and_fsdp2_packing_is_not_refused():
     _refusal(*fixed, geo_mean)  # LB-Mini's uneven shares
 
 
+def test_critic_packing_is_its_engines():
+    """verl 0.9.1 builds the critic's engine from critic.fsdp alone (use_dynamic_bsz True by default there, with
+    the critic's inference token budget): critic.use_dynamic_bsz=False with a micro-batch size does not make
+    it pack as fsdp2 under lb_micro, so a packing-dependent critic loss is refused; lockstep packs as fsdp2."""
+    sum_norm = [
+        *CRITIC,
+        *ODC_OPTIONS,
+        "critic.fsdp.odc_balancer=lb_micro",
+        "critic.use_dynamic_bsz=False",
+        "critic.loss_agg_mode=seq-mean-token-sum-norm",
+    ]
+    assert _refusal(*sum_norm).startswith("odc: critic.loss_agg_mode=seq-mean-token-sum-norm without ")
+    verdicts = check_losses(compose([*BASE, *sum_norm, "critic.fsdp.odc_lockstep=True"]))
+    assert not verdicts["critic"].invariant  # packing-dependent, but packed as under fsdp2
+
+
 @needs_tq
 @pytest.mark.parametrize("loss_mode", PACKING_DEPENDENT)
 def test_trainer_init_refuses_before_anything_starts(loss_mode):

@@ -98,7 +98,8 @@ SETTINGS = (
         ),
     ),
     Setting(
-        "PPO with a critic (run_deepseek7b_llm.sh), actor and critic on fixed micro-batch sizes; "
+        "PPO with a critic (run_deepseek7b_llm.sh), actor on fixed micro-batch sizes (the critic's keys for them set "
+        "too, which verl 0.9.1's critic engine leaves for its token budget); "
         "seq-mean-token-sum-norm with loss_scale_factor; 2 mini-batches",
         (
             "algorithm.adv_estimator=gae",
