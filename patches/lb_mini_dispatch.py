@@ -269,7 +269,6 @@ def _wrap_init(stock):
         _check_losses(self)
         return stock(self)
 
-    _init._odc_patched = True
     return _init
 
 
@@ -319,7 +318,6 @@ def _wrap_stage(stock, stage: str):
             metrics.update({f"{prefix}/{k}": v for k, v in observed.items()})
         return out
 
-    _run._odc_patched = True
     return _run
 
 

@@ -128,15 +128,15 @@ class Transport(abc.ABC):
     def region_bytes(self, region: Region) -> int:
         """Bytes this rank's slice of `region` takes, as the transport allocated it."""
 
-    @abc.abstractmethod
     def control_bytes(self) -> int:
         """Bytes of this rank's control words: what the transport holds from start to `close`, whatever
         regions exist."""
+        return sum(self.region_bytes(r) for r in self._control)
 
-    @abc.abstractmethod
     def staging_bytes(self) -> int:
-        """Bytes of this rank's staging buffers (0 for a transport that needs none), held while any region
-        other than the control words exists."""
+        """Bytes of this rank's staging buffers (none here), held while any region other than the control
+        words exists."""
+        return 0
 
     @abc.abstractmethod
     def mapped_bytes(self) -> int:

@@ -125,12 +125,6 @@ class CudaIpcTransport(Transport):
     def region_bytes(self, region: Region) -> int:
         return self._bytes[region.name]
 
-    def control_bytes(self) -> int:
-        return sum(self.region_bytes(r) for r in self._control)
-
-    def staging_bytes(self) -> int:
-        return 0
-
     def mapped_bytes(self) -> int:
         # each peer's slice was allocated as this rank's was, so it takes as many bytes
         return (self.world_size - 1) * sum(self._bytes.values())

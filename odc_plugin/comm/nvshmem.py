@@ -369,7 +369,7 @@ class NvshmemTransport(Transport):
 
     def control_bytes(self) -> int:
         ctrl = _aligned(self._ctrl.numel() * 8) + _aligned(self._small_bounce.numel())
-        return ctrl + sum(self.region_bytes(r) for r in self._control)
+        return ctrl + super().control_bytes()
 
     def staging_bytes(self) -> int:
         return 0 if self._stage is None else _aligned(self._stage.numel())

@@ -130,12 +130,6 @@ class ShmTransport(Transport):
     def region_bytes(self, region: Region) -> int:
         return self._mappings[region.name][self.rank].nbytes
 
-    def control_bytes(self) -> int:
-        return sum(self.region_bytes(r) for r in self._control)
-
-    def staging_bytes(self) -> int:
-        return 0
-
     def mapped_bytes(self) -> int:
         return sum(m.nbytes for maps in self._mappings.values() for r, m in enumerate(maps) if r != self.rank)
 

@@ -177,6 +177,8 @@ class OnDemandComm:
         self._waits_at_backward_end = False  # whether the running backward ends with _end_of_backward
 
         self._modules_and_groups = modules_and_groups = fsdp_internals.fsdp_modules_and_groups(model)
+        # fixed once fully_shard has run; memory_bytes(), called every mini-batch, reports it
+        self._shard_numel = sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))
         if fsdp_internals.reshards_to_a_smaller_group(modules_and_groups):
             # Backward would gather from the smaller group's post-forward shards, which no owner publishes.
             raise ValueError(
@@ -302,7 +304,6 @@ class OnDemandComm:
         # Every view of a region goes before the region itself (Transport.free).
         self.params = self.grads = self.published = None
         self._gradients, self._ones = None, None
-        self._sent.clear()
         for name in names:
             self.transport.free(name)
         self.build_s += time.perf_counter() - start
@@ -318,7 +319,7 @@ class OnDemandComm:
             staging=transport.staging_bytes(),
             control=transport.control_bytes(),
             grad_storage=0 if gradients is None else gradients.grad_storage_bytes,
-            shard_numel=sum(p.to_local().numel() for p in self.model.parameters() if isinstance(p, DTensor)),
+            shard_numel=self._shard_numel,
         )
 
     def _wait_for_sent(self, stream) -> None:

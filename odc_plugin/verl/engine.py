@@ -339,7 +339,7 @@ class _ODCEngineMixin:
         for prefix, engine in engines:
             during = engine.odc.minibatch_memory
             values[f"odc/{prefix}held_outside_bytes"] = float(engine._odc_held_outside)
-            values[f"odc/{prefix}control_bytes"] = float(engine.odc.memory_bytes().control)
+            values[f"odc/{prefix}control_bytes"] = float(engine.odc.transport.control_bytes())
             values[f"odc/{prefix}extra_bytes_per_param"] = during.extra_bytes_per_param if during else 0.0
             if last:
                 spent = engine.odc.build_s - self._odc_reported_s.get(id(engine), 0.0)

@@ -18,20 +18,17 @@ swallows it, and a failure of a deferred registration at WARNING, leaving runs o
 
 from __future__ import annotations
 
+import importlib
 import logging
-import sys
 
 logger = logging.getLogger(__name__)
 UNAVAILABLE = "strategy=odc is unavailable (verl will say 'Unknown backend: odc'); other strategies are unaffected"
 
 
 def _register_engines() -> None:
-    engine = sys.modules.get(f"{__package__}.engine")
-    if engine is not None and getattr(engine.__spec__, "_initializing", False):
-        return  # engine.py is importing verl's engine package itself, and registers when it is done
-    from . import engine
-
-    engine.register()
+    # engine.py registers its engines at its end, also when it is the module importing verl's engine package
+    # (this then hands back the module being imported, and its own last line registers)
+    importlib.import_module(f"{__package__}.engine")
 
 
 def _warn_on_failure(what: str, callback):
