@@ -40,7 +40,8 @@ def project_requirements(extras: tuple[str, ...]) -> list[Requirement]:
     return [Requirement(line) for line in lines]
 
 
-def _exact(req: Requirement) -> list[str]:
+def exact_versions(req: Requirement) -> list[str]:
+    """The versions `req` pins with `==`."""
     return [spec.version for spec in req.specifier if spec.operator == "=="]
 
 
@@ -52,7 +53,7 @@ def conflicts(ours: list[Requirement], theirs: list[Requirement]) -> list[str]:
             for b in b_side:
                 if canonicalize_name(a.name) != canonicalize_name(b.name) or canonicalize_name(a.name) == "verl":
                     continue
-                for version in _exact(a):
+                for version in exact_versions(a):
                     if not b.specifier.contains(version, prereleases=True):
                         found.append(f"{a_name} pins {a.name}=={version}, which {b.name}{b.specifier} excludes")
     return found
@@ -61,7 +62,7 @@ def conflicts(ours: list[Requirement], theirs: list[Requirement]) -> list[str]:
 @pytest.mark.parametrize("extra", VERL_GPU_EXTRAS)
 def test_the_plugin_admits_what_verls_gpu_extras_pin(extra):
     theirs = verl_requirements(extra)
-    pins = {canonicalize_name(r.name): _exact(r) for r in theirs if _exact(r)}
+    pins = {canonicalize_name(r.name): exact_versions(r) for r in theirs if exact_versions(r)}
     assert pins["torch"] == ["2.11.0"], pins  # what the README says the GPU path runs
     if extra != "fsdp":
         assert pins["transformers"] == ["5.9.0"] and ("vllm" in pins or "sglang" in pins), pins
@@ -73,7 +74,7 @@ def test_the_plugin_admits_what_verls_gpu_extras_pin(extra):
 def test_the_gpu_extra_leaves_torch_transformers_and_the_rollout_engine_to_verl():
     names = {canonicalize_name(r.name) for r in project_requirements(("gpu",))}
     verls = {canonicalize_name(r.name) for extra in VERL_GPU_EXTRAS for r in verl_requirements(extra)}
-    pinned_by_us = {canonicalize_name(r.name) for r in project_requirements(("gpu",)) if _exact(r)}
+    pinned_by_us = {canonicalize_name(r.name) for r in project_requirements(("gpu",)) if exact_versions(r)}
     assert not pinned_by_us & verls, pinned_by_us & verls
     assert not names & {"vllm", "sglang", "transformers"}
 

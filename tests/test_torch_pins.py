@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_install import verl_requirements
+from tests.test_install import exact_versions, verl_requirements
 
 ROOT = Path(__file__).resolve().parents[1]
 # the FSDP2 and transport tests, and the engine-level verl tests: verl's TrainingWorker and the odc engines
@@ -45,7 +45,7 @@ def verl_gpu_pins() -> dict[str, str]:
     """{package: version} that verl's vllm extra pins exactly, for PINNED."""
     pins = {}
     for req in verl_requirements("vllm"):
-        exact = [spec.version for spec in req.specifier if spec.operator == "=="]
+        exact = exact_versions(req)
         if req.name in PINNED and exact:
             pins[req.name] = exact[0]
     assert sorted(pins) == sorted(PINNED), pins

@@ -13,8 +13,11 @@ from odc_plugin.comm import make_transport
 from odc_plugin.fsdp import ODCConfig, apply_odc
 from odc_plugin.models import token_mean_loss
 
-from .workers import TRANSPORT, count_targets, full_grads, on_device, sharded_model
+from .workers import TRANSPORT, count_targets, full_grads, minibatch_backward, on_device, sharded_model
 
+# The transport's own regions (odc_plugin/comm/shm.py): a doorbell, an arrival word, the failure notices; what
+# a released model still maps
+CONTROL_REGIONS = frozenset({"odc.doorbell", "odc.barrier", "odc.failure"})
 # The name every rank's file of an shm region has (odc_plugin/comm/shm.py): /dev/shm/odc-<token>-<region>-r<rank>
 _SHM_FILE = re.compile(r"/dev/shm/odc-(?P<token>[0-9a-f]{12})-(?P<region>.+)-r(?P<owner>\d+)(?: \(deleted\))?$")
 
@@ -55,14 +58,6 @@ def _local_grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _minibatch(model, odc, rank, world_size, seqs, plan, global_tokens, inside=lambda: None):
-    odc.begin()
-    for mb in plan[rank]:
-        token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
-    inside()
-    odc.end()
-
-
 def lifecycle(rank, world_size, seqs, plans, device):
     """A trained model through one backward mini-batch of plans[0], release() (its `.grad` kept, not zeroed),
     build() and a mini-batch of plans[1] that adds to that `.grad`, with the misuse a released model or an
@@ -86,7 +81,7 @@ def lifecycle(rank, world_size, seqs, plans, device):
     def inside():
         out["in_minibatch"] = odc.memory_bytes()
 
-    _minibatch(model, odc, rank, world_size, seqs, plans[0], global_tokens, inside)
+    minibatch_backward(model, odc, rank, world_size, seqs, plans[0], global_tokens, inside)
     out["after_end"] = odc.memory_bytes()
     grads = _local_grads(model)
     odc.release()
@@ -110,7 +105,7 @@ def lifecycle(rank, world_size, seqs, plans, device):
         except RuntimeError as e:
             out["release_refused"] = (str(e), odc.released)
 
-    _minibatch(model, odc, rank, world_size, seqs, plans[1], global_tokens, release_inside)
+    minibatch_backward(model, odc, rank, world_size, seqs, plans[1], global_tokens, release_inside)
     out["grads"] = full_grads(model)
     model.zero_grad(set_to_none=True)
     allocated = _allocated(cuda)

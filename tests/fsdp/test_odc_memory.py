@@ -20,11 +20,10 @@ import torch
 from odc_plugin.launch import run_ranks
 
 from . import memory_workers, workers
+from .memory_workers import CONTROL_REGIONS
 from .test_odc_core import random_plan, reference_grads
 
 WORLD = 3
-# the transport's own regions (odc_plugin/comm/shm.py): a doorbell, an arrival word, the failure notices
-CONTROL_REGIONS = {"odc.doorbell", "odc.barrier", "odc.failure"}
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_memory_gpu.py"
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,

@@ -105,12 +105,14 @@ def train_moe_steps(rank, world_size, seqs, plan, steps):
     return params, counts
 
 
-def minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens) -> None:
-    """This rank's micro-batches of one mini-batch, forward and backward; inside ODC's begin/end with odc."""
+def minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens, before_end=lambda: None) -> None:
+    """This rank's micro-batches of one mini-batch, forward and backward; inside ODC's begin/end with odc,
+    `before_end` called after the last backward, while the mini-batch is still open."""
     if odc:
         odc.begin()
     for mb in plan[rank]:
         token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
+    before_end()
     if odc:
         odc.end()
 

@@ -65,6 +65,11 @@ DEVICE_ENV = "ODC_TEST_DEVICE"
 DEVICE = os.environ.get(DEVICE_ENV, "cpu")
 if DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"{DEVICE_ENV} must be cpu or cuda, got {DEVICE!r}")
+# The plugin module a run of the `odc` engine imports in every rank (run_on_ranks' plugin_modules).
+PLUGIN = ("odc_plugin.verl.plugin",)
+# SGD keeps parameter deltas proportional to the gradient, so a wrong loss scale cannot hide behind Adam's
+# normalization; 64 tokens per micro-batch give several micro-batches per rank (build_engine's kwargs).
+SGD = {"max_token_len_per_gpu": 64, "lr": 1.0, "optim_kwargs": {"optimizer": "SGD", "weight_decay": 0.0}}
 
 
 def run_on_ranks(
@@ -569,6 +574,13 @@ def full_state_dict(worker) -> dict[str, torch.Tensor]:
         t = p.full_tensor() if isinstance(p, DTensor) else p
         state[name] = t.detach().to("cpu", torch.float32).clone()
     return state
+
+
+def assert_state_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    """Two full_state_dicts hold the same parameters, equal to float32 round-off of sums in another order."""
+    assert got.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
 
 
 def exported_weights(worker) -> dict[str, torch.Tensor]:

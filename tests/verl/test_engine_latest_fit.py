@@ -16,7 +16,6 @@ from tests.verl import harness as H
 
 WORLD, BATCH, MINI = 2, 24, 8
 MAX_TOKENS = 48  # a sample or two per micro-batch: several timings per rank and mini-batch
-PLUGIN = ["odc_plugin.verl.plugin"]
 
 
 def _body(rank, world_size, model_dir):
@@ -41,7 +40,7 @@ def _body(rank, world_size, model_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
-    return H.run_on_ranks(_body, WORLD, model_dir, plugin_modules=PLUGIN)
+    return H.run_on_ranks(_body, WORLD, model_dir, plugin_modules=H.PLUGIN)
 
 
 def test_the_trainer_gets_the_fit_after_the_last_mini_batch(runs):

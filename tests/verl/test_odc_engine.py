@@ -22,12 +22,8 @@ from tests.verl import harness as H
 WORLD = 2
 BATCH = 8
 SEED = 0
-MAX_TOKENS = 64  # per-micro-batch budget: several micro-batches per rank
+MAX_TOKENS = H.SGD["max_token_len_per_gpu"]  # per-micro-batch budget: several micro-batches per rank
 UNEVEN = [[0, 1, 2], [3, 4, 5, 6, 7]]
-# SGD keeps parameter deltas proportional to the gradient, so a wrong loss scale cannot hide behind
-# Adam's normalization.
-SGD = {"max_token_len_per_gpu": MAX_TOKENS, "lr": 1.0, "optim_kwargs": {"optimizer": "SGD", "weight_decay": 0.0}}
-PLUGIN = ["odc_plugin.verl.plugin"]
 
 
 def _body(rank, world_size, model_dir, ckpt_dir):
@@ -36,7 +32,7 @@ def _body(rank, world_size, model_dir, ckpt_dir):
     out = {}
     for strategy in ("fsdp2", "odc"):
         res = out[strategy] = {}
-        actor = H.build_engine("language_model", strategy, model_dir, **SGD)
+        actor = H.build_engine("language_model", strategy, model_dir, **H.SGD)
         res["engine"] = type(actor.engine).__name__
         res["log_probs"] = H.compute_log_probs(actor, even)
         if strategy == "odc":
@@ -59,7 +55,7 @@ def _body(rank, world_size, model_dir, ckpt_dir):
             res["uneven_ref_log_probs"] = H.compute_log_probs(ref, uneven)
         del ref
 
-        critic = H.build_engine("value_model", strategy, model_dir, **SGD)
+        critic = H.build_engine("value_model", strategy, model_dir, **H.SGD)
         res["values"] = H.compute_values(critic, even)
         if strategy == "odc":
             res["uneven_values"] = H.compute_values(critic, uneven)
@@ -70,7 +66,7 @@ def _body(rank, world_size, model_dir, ckpt_dir):
 
     # Checkpoints cross over: each strategy loads the other's and must hold the other's weights.
     for strategy, other in (("fsdp2", "odc"), ("odc", "fsdp2")):
-        actor = H.build_engine("language_model", strategy, model_dir, **SGD)
+        actor = H.build_engine("language_model", strategy, model_dir, **H.SGD)
         actor.engine.load_checkpoint(os.path.join(ckpt_dir, other), del_local_after_load=False)
         out[strategy]["loaded_other"] = H.full_state_dict(actor)
         del actor
@@ -81,13 +77,7 @@ def _body(rank, world_size, model_dir, ckpt_dir):
 def runs(tmp_path_factory):
     model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
-    return H.run_on_ranks(_body, WORLD, model_dir, ckpt_dir, plugin_modules=PLUGIN)
-
-
-def _assert_state_close(got, expected, what):
-    assert got.keys() == expected.keys(), what
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
+    return H.run_on_ranks(_body, WORLD, model_dir, ckpt_dir, plugin_modules=H.PLUGIN)
 
 
 def test_registry_gives_odc_engines(runs):
@@ -104,8 +94,8 @@ def test_ranks_ran_different_micro_batch_counts_under_odc(runs):
 
 def test_actor_and_critic_updates_equal_fsdp2(runs):
     for r in runs:
-        _assert_state_close(r["odc"]["actor_after"], r["fsdp2"]["actor_after"], "actor")
-        _assert_state_close(r["odc"]["critic_after"], r["fsdp2"]["critic_after"], "critic")
+        H.assert_state_close(r["odc"]["actor_after"], r["fsdp2"]["actor_after"], "actor")
+        H.assert_state_close(r["odc"]["critic_after"], r["fsdp2"]["critic_after"], "critic")
     # the update really moved the weights
     before, after = runs[0]["fsdp2"]["exported_before"], runs[0]["fsdp2"]["exported_after"]
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -137,13 +127,13 @@ def test_forward_only_passes_on_uneven_shares_equal_fsdp2_sample_by_sample(runs)
 
 def test_exported_weights_equal_fsdp2(runs):
     for key in ("exported_before", "exported_after"):
-        _assert_state_close(runs[0]["odc"][key], runs[0]["fsdp2"][key], key)
+        H.assert_state_close(runs[0]["odc"][key], runs[0]["fsdp2"][key], key)
 
 
 def test_checkpoints_load_across_strategies(runs):
     for r in runs:
-        _assert_state_close(r["fsdp2"]["loaded_other"], r["odc"]["actor_after"], "odc checkpoint in fsdp2")
-        _assert_state_close(r["odc"]["loaded_other"], r["fsdp2"]["actor_after"], "fsdp2 checkpoint in odc")
+        H.assert_state_close(r["fsdp2"]["loaded_other"], r["odc"]["actor_after"], "odc checkpoint in fsdp2")
+        H.assert_state_close(r["odc"]["loaded_other"], r["fsdp2"]["actor_after"], "fsdp2 checkpoint in odc")
 
 
 def test_odc_metrics_reach_the_worker_output(runs):

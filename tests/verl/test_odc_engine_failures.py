@@ -22,7 +22,6 @@ BATCH = 8
 SEED = 0
 MAX_TOKENS = 64
 UNEVEN = [[0, 1, 2], [3, 4, 5, 6, 7]]
-PLUGIN = ["odc_plugin.verl.plugin"]
 BUDGET_ERROR = "AssertionError: max_token_len must be greater than the sequence length"
 
 
@@ -48,7 +47,7 @@ def _bad_batch_on_rank_1(rank, world_size, model_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
-    return H.run_on_ranks(_bad_batch_on_rank_1, WORLD, model_dir, plugin_modules=PLUGIN)
+    return H.run_on_ranks(_bad_batch_on_rank_1, WORLD, model_dir, plugin_modules=H.PLUGIN)
 
 
 def test_a_rank_whose_preparation_raises_ends_the_step_on_every_rank_naming_it(runs):

@@ -17,10 +17,7 @@ WORLD = 4
 FSDP_SIZE = 2
 BATCH = 12
 SEED = 0
-MAX_TOKENS = 64  # per-micro-batch budget: several micro-batches per rank
 UNEVEN = [[0, 1], [2, 3, 4, 5, 6], [7, 8, 9], [10, 11]]
-SGD = {"max_token_len_per_gpu": MAX_TOKENS, "lr": 1.0, "optim_kwargs": {"optimizer": "SGD", "weight_decay": 0.0}}
-PLUGIN = ["odc_plugin.verl.plugin"]
 
 
 def _body(rank, world_size, model_dir):
@@ -29,7 +26,7 @@ def _body(rank, world_size, model_dir):
     hsdp = {"fsdp_size": FSDP_SIZE}
     out = {}
     for strategy, split in (("fsdp2", "even"), ("odc", "even"), ("odc", "uneven")):
-        actor = H.build_engine("language_model", strategy, model_dir, engine_kwargs=hsdp, **SGD)
+        actor = H.build_engine("language_model", strategy, model_dir, engine_kwargs=hsdp, **H.SGD)
         mesh = actor.engine.device_mesh
         before = H.full_state_dict(actor)
         calls = H.count_micro_batches(actor)
@@ -45,7 +42,7 @@ def _body(rank, world_size, model_dir):
         }
         del actor
     try:
-        H.build_engine("language_model", "odc", model_dir, engine_kwargs={"fsdp_size": 3}, **SGD)
+        H.build_engine("language_model", "odc", model_dir, engine_kwargs={"fsdp_size": 3}, **H.SGD)
     except ValueError as e:
         out["bad_fsdp_size"] = str(e)
     return out
@@ -54,7 +51,7 @@ def _body(rank, world_size, model_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
-    return H.run_on_ranks(_body, WORLD, model_dir, plugin_modules=PLUGIN)
+    return H.run_on_ranks(_body, WORLD, model_dir, plugin_modules=H.PLUGIN)
 
 
 def test_odc_builds_the_same_hsdp_mesh_as_fsdp2(runs):

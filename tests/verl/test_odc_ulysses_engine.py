@@ -30,7 +30,6 @@ BATCH, SEED, STEPS = 12, 0, 3
 MAX_TOKENS = 64  # per GPU; verl packs a group's micro-batches to 64 * SP tokens
 EVEN = [list(range(0, 6)), list(range(6, 12))]
 UNEVEN = [[0, 1, 2], list(range(3, 12))]
-PLUGIN = ["odc_plugin.verl.plugin"]
 
 
 def _engine(strategy: str, model_dir: str, timeout_s: float = 600.0, sp: int = SP):
@@ -101,7 +100,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
-    return H.run_on_ranks(_train, WORLD, model_dir, plugin_modules=PLUGIN)
+    return H.run_on_ranks(_train, WORLD, model_dir, plugin_modules=H.PLUGIN)
 
 
 def test_ulysses_uneven_groups_equal_fsdp2_with_the_same_sp_after_adamw_steps(runs):
@@ -149,7 +148,7 @@ def _mismatched_group(rank, world_size, model_dir):
 
 def test_ulysses_group_whose_ranks_got_different_samples_fails_clearly(model_dir):
     start = time.monotonic()
-    results = H.run_on_ranks(_mismatched_group, WORLD, model_dir, plugin_modules=PLUGIN)
+    results = H.run_on_ranks(_mismatched_group, WORLD, model_dir, plugin_modules=H.PLUGIN)
     for rank in (0, 1):
         assert results[rank].startswith(
             "ValueError: the ranks [0, 1] of one sequence-parallel group must run the same micro-batches"
@@ -178,7 +177,7 @@ def _group_dies(rank, world_size, model_dir):
 def test_ulysses_group_killed_mid_minibatch_fails_every_rank_naming_it(model_dir):
     start = time.monotonic()
     with pytest.raises(RankFailed) as info:
-        H.run_on_ranks(_group_dies, WORLD, model_dir, plugin_modules=PLUGIN)
+        H.run_on_ranks(_group_dies, WORLD, model_dir, plugin_modules=H.PLUGIN)
     message = str(info.value)
     for rank in (2, 3):
         assert f"rank {rank}: exited with code 17" in message, message

@@ -22,13 +22,11 @@ from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
 from odc_plugin.verl.dispatch import check_losses
 from tests.verl import golden
-from tests.verl.trainer_runs import RANKS, relative_difference, train
+from tests.verl.trainer_runs import RANKS, train, worst_difference
 
 STEPS = 3
 ACTOR = "actor_rollout_ref.actor"
-# the same rollouts: compared exactly
-SAME = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
-# what training computed: compared to the golden metrics' tolerance
+# what training computed: compared to the golden metrics' tolerance (the rollouts, golden.EXACT, exactly)
 COMPARED = (
     "actor/grad_norm",
     "actor/pg_loss",
@@ -160,24 +158,6 @@ def table(tmp_path_factory):
     print(f"\n{path}:\n{path.read_text()}")
 
 
-def _worst_difference(fsdp2: dict[int, dict], odc: dict[int, dict]) -> tuple[float, str]:
-    """Per step, the rollouts must be the same and every compared metric equal to the golden tolerance;
-    returns the worst relative difference and where it was."""
-    worst, where = 0.0, ""
-    for step in range(1, STEPS + 1):
-        a, b = fsdp2[step], odc[step]
-        for key in SAME:
-            assert a[key] == b[key], (step, key, a[key], b[key])
-        compared = [key for key in COMPARED if key in a]
-        assert "actor/grad_norm" in compared
-        for key in compared:
-            difference = relative_difference(a[key], b[key])
-            assert difference <= golden.RTOL, f"step {step} {key}: fsdp2 {a[key]!r}, odc {b[key]!r}"
-            if difference >= worst:
-                worst, where = difference, f"{key} step {step}"
-    return worst, where
-
-
 @pytest.mark.parametrize("setting", SETTINGS, ids=[f"row{i + 1}" for i in range(len(SETTINGS))])
 def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_factory, table):
     out = tmp_path_factory.mktemp("setting")
@@ -197,7 +177,9 @@ def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_f
     }
     for run in runs.values():
         run.assert_ok(STEPS)
-    worst, where = _worst_difference(runs["fsdp2"].metrics, runs[setting.odc_run].metrics)
+    worst, where = worst_difference(
+        runs["fsdp2"].metrics, runs[setting.odc_run].metrics, STEPS, COMPARED, required=("actor/grad_norm",)
+    )
     odc = runs[setting.odc_run].metrics
     if setting.uneven:
         uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] < m["odc_balance/samples_max"]]

@@ -9,6 +9,7 @@ import re
 
 from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo
+from tests.verl import golden
 
 RANKS = 2
 RUN_TIMEOUT_S = 900
@@ -76,3 +77,23 @@ def close(a: float, b: float, rtol: float) -> bool:
 
 def relative_difference(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def worst_difference(
+    fsdp2: dict[int, dict], odc: dict[int, dict], steps: int, compared: tuple[str, ...], required: tuple[str, ...]
+) -> tuple[float, str]:
+    """Per step, the rollouts (golden.EXACT) must be the same and every metric of `compared` that fsdp2's run
+    reports, `required` among them, equal to golden.RTOL; returns the worst relative difference and where."""
+    worst, where = 0.0, ""
+    for step in range(1, steps + 1):
+        a, b = fsdp2[step], odc[step]
+        for key in golden.EXACT:
+            assert a[key] == b[key], (step, key, a[key], b[key])
+        present = [key for key in compared if key in a]
+        assert set(required) <= set(present), (step, sorted(set(required) - set(present)))
+        for key in present:
+            difference = relative_difference(a[key], b[key])
+            assert difference <= golden.RTOL, f"step {step} {key}: fsdp2 {a[key]!r}, odc {b[key]!r}"
+            if difference >= worst:
+                worst, where = difference, f"{key} step {step}"
+    return worst, where
