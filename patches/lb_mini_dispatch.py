@@ -192,7 +192,6 @@ def _stage_settings(trainer, stage: str):
 
     from odc_plugin.verl.dispatch import actor_packing, critic_packing, lb_mini_settings
 
-    _check_losses(trainer)  # done at init; here for a trainer whose init did not run (tests)
     config = trainer.config
     roles = config.actor_rollout_ref
     settings = None
@@ -242,8 +241,6 @@ def _stage_settings(trainer, stage: str):
 def _check_losses(trainer) -> None:
     """Refuse, once per trainer, a role's loss that depends on how strategy=odc packs its mini-batches
     (odc_plugin.verl.dispatch.check_losses), logging what the probe found and its time."""
-    if trainer.__dict__.get("_odc_losses_checked"):
-        return
     from odc_plugin.verl.dispatch import check_losses
 
     start = time.perf_counter()
@@ -258,7 +255,6 @@ def _check_losses(trainer) -> None:
                 for role, v in verdicts.items()
             ),
         )
-    trainer._odc_losses_checked = True
 
 
 def _wrap_init(stock):
