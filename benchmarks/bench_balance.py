@@ -23,8 +23,8 @@ from odc_plugin.balance import (
     sft_long_context_like,
     verl_rank_partition,
 )
+from odc_plugin.balance.lengths import plan_lengths
 from odc_plugin.balance.plan_report import format_table
-from odc_plugin.balance.planner import length_source
 from odc_plugin.balance.step_time import StepTimeModel, plan_table
 
 GENERATORS = {"rl": (rl_math_like, 16384), "sft": (sft_long_context_like, 32768)}
@@ -72,14 +72,15 @@ def planner(draws: int) -> None:
     cost = get_cost_model("flops", model="Qwen2.5-7B")
     model = StepTimeModel(throughput=4e14)
     for name, options in [("rl", {}), ("rl", {"max_response_length": 16384}), ("sft", {})]:
-        draw, longest = length_source(name, **options)
-        max_token_len = max(16384, longest)
+        source = plan_lengths(name, **options)
+        max_token_len = max(16384, source.longest)
         flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items())
         print(
             f"\n== odc-plan --lengths {name}{flags}: Qwen2.5-7B FLOPs at 4e14 FLOP/s, compute only, "
             f"max_token_len={max_token_len}, {draws} draws; times in seconds per mini-batch"
         )
-        print(format_table(plan_table(draw, [8, 16, 32, 64], [256, 512, 1024], max_token_len, cost, model, draws)))
+        rows = plan_table(source.draw, [8, 16, 32, 64], [256, 512, 1024], max_token_len, cost, model, draws)
+        print(format_table(rows))
 
 
 def main() -> None:

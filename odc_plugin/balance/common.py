@@ -1,4 +1,4 @@
-"""Input checks shared by both balancers, and the balance metric used to compare them."""
+"""Input checks and helpers shared by both balancers, the limit no plan beats, and the balance metric."""
 
 from __future__ import annotations
 
@@ -29,12 +29,32 @@ def check_minibatch(seqlens: Sequence[int], dp_size: int, max_token_len: int) ->
     return [int(s) for s in lens]
 
 
+def chunk(samples: list[int], size: int) -> list[list[int]]:
+    """Consecutive pieces of at most `size` samples: how verl's engine cuts a share for a fixed micro-batch size."""
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+# What minibatch_limit is, as the reports of a mini-batch's limit print it.
+LIMIT_DEFINITION = "the larger of its work over the ranks' summed speeds and its longest sample on the fastest rank"
+
+
+def minibatch_limit(costs: Sequence[float], slowdown: Sequence[float], throughput: float = 1.0) -> float:
+    """The shortest time in which ranks of these slowdowns can run a mini-batch of samples costing `costs`,
+    however it is split: the larger of its work over the ranks' summed speeds (no rank ever idle) and its
+    longest sample on the fastest rank (a sample is never split). Every printed ideal is this one."""
+    if not slowdown or min(slowdown) <= 0:
+        raise ValueError(f"minibatch_limit needs one slowdown > 0 per rank, got {list(slowdown)!r}")
+    work = sum(costs) / sum(1 / f for f in slowdown)
+    return max(work, max(costs, default=0.0) * min(slowdown)) / throughput
+
+
 def balance_efficiency(partitions: Sequence[Sequence], costs: Sequence[float] | None = None) -> float:
     """limit / makespan, in (0, 1]: 1 means no partition of these samples has a lower largest rank total.
 
-    makespan is the largest rank total; limit = max(largest single sample, total / ranks) is a lower
-    bound on the makespan of any partition. `partitions` holds per rank either sample costs (costs=None)
-    or sample indices into `costs`; a rank may also be a list of micro-batches, as lb_mini returns.
+    makespan is the largest rank total; limit = max(largest single sample, total / ranks), minibatch_limit
+    of equal ranks, is a lower bound on the makespan of any partition. `partitions` holds per rank either
+    sample costs (costs=None) or sample indices into `costs`; a rank may also be a list of micro-batches, as
+    lb_mini returns.
     """
     ranks = []
     for rank in partitions:
@@ -45,5 +65,5 @@ def balance_efficiency(partitions: Sequence[Sequence], costs: Sequence[float] | 
     total = sum(sum(r) for r in ranks)
     if total == 0:
         return 1.0
-    limit = max(max((c for r in ranks for c in r), default=0), total / len(ranks))
+    limit = minibatch_limit([c for r in ranks for c in r], [1.0] * len(ranks))
     return limit / max(sum(r) for r in ranks)

@@ -6,7 +6,7 @@ calibration measured).
 
 The `flops` cost is verl's own count (`VerlFlopsCost`, the formulas of verl's FlopsCounter) wherever verl
 knows the model's architecture, and this module's `FlopsCost` otherwise. The package stays free of verl at
-import: `verl_flops_formula` is the one place it is imported, when a cost is built.
+import: this module imports it in `verl_flops_formula`, when a cost is built.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def model_config(model: str | Path | Mapping[str, Any] | Any) -> Mapping[str, An
 def verl_flops_formula(model_type: str | None) -> Callable[..., float] | None:
     """verl's FlopsCounter formula for a config.json model_type, None where verl has none.
 
-    The only import of verl in odc_plugin.balance, made here when a cost is built so that the package
+    verl is imported here when a cost is built (as lb_micro imports it when it splits) so that the package
     (the planner, LB-Mini, the demo) imports without it. FlopsCounter keeps one formula per model_type in
     `ESTIMATE_FUNC` and calls it as (config, tokens, sequence lengths, seconds) -> TFLOP/s; its own
     `estimate_flops` also asks the device for its peak FLOP/s, which raises in a process without an

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from odc_plugin.balance.common import RankPlan, check_minibatch
+from odc_plugin.balance.common import RankPlan, check_minibatch, chunk
 
-# verl, torch and tensordict are imported where used: they take seconds to import, and the rest of the
-# package (LB-Mini, the cost models, the lengths) is pure Python.
+# verl, torch and tensordict are imported where used: they take seconds to import, so the package imports
+# without them; only verl's own splitting loads them (LB-Micro, and LB-Mini's packing under a token budget).
 
 
 def verl_rank_partition(seqlens: Sequence[int], dp_size: int) -> list[list[int]]:
@@ -51,7 +51,7 @@ def lb_micro(seqlens: Sequence[int], dp_size: int, max_token_len: int, micro_bat
                 f"verl cuts each rank's {per_rank} samples into micro-batches of micro_batch_size samples, which "
                 f"must divide them; got micro_batch_size={micro_batch_size!r}"
             )
-        return [[rank[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)] for rank in ranks]
+        return [chunk(rank, micro_batch_size) for rank in ranks]
     batches = [_as_verl_batch([lens[i] for i in rank]) for rank in ranks]
     # At least one micro-batch: verl derives the count from the token total, which is 0 for a rank of empty samples.
     local = [_split(b, max_token_len, 1) for b in batches]

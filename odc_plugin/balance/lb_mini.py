@@ -16,7 +16,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Hashable, Sequence
 
-from odc_plugin.balance.common import RankPlan, check_minibatch, rank_shares
+from odc_plugin.balance.common import RankPlan, check_minibatch, chunk, rank_shares
 from odc_plugin.balance.costs import CostModel, get_cost_model
 from odc_plugin.balance.lb_micro import verl_micro_batches
 
@@ -104,7 +104,7 @@ def lb_mini(
             return [[list(mb) for mb in rank] for rank in baseline]
     shares = [sorted(i for u in unit_ids for i in units[u]) for unit_ids in rank_units]
     if micro_batch_size is not None:
-        return [_chunk(share, micro_batch_size) for share in shares]
+        return [chunk(share, micro_batch_size) for share in shares]
     return [
         [[share[i] for i in mb] for mb in verl_micro_batches([lens[i] for i in share], max_token_len)]
         for share in shares
@@ -296,8 +296,3 @@ def _subsets(units: list[int], weights: list[float], max_size: int) -> list[tupl
         ]
         subsets += [(w, combo) for w, combo, _ in level]
     return subsets
-
-
-def _chunk(samples: list[int], size: int) -> list[list[int]]:
-    """Consecutive pieces of at most `size` samples: how verl's engine cuts a share for a fixed micro-batch size."""
-    return [samples[i : i + size] for i in range(0, len(samples), size)]

@@ -390,7 +390,8 @@ def plan_lengths(
             f"{len(prompts)} prompts of {spec} (chat template of {tokenizer}) + rl-profile responses up to "
             f"{max_response_length} tokens",
         )
-    if Path(path).is_dir() or _first_record_keys(path) >= {"input", "output"}:
+    keys = _first_record_keys(path)
+    if Path(path).is_dir() or keys >= {"input", "output"}:
         if not tokenizer:
             raise ValueError(f"{path} is a verl rollout dump (text); give --tokenizer MODEL_DIR to count its tokens")
         steps = list(rollout_dump_lengths(path, load_tokenizer(tokenizer)).values())
@@ -408,7 +409,7 @@ def plan_lengths(
             steps=len(steps),
             step_samples=min(len(step) for step in steps),
         )
-    if _first_record_keys(path) >= {"step", "data"}:
+    if keys >= {"step", "data"}:
         logged = list(logged_step_lengths(path).values())
 
         def draw(n, seed):

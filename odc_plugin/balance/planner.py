@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 
 from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, VerlFlopsCost, get_cost_model
@@ -52,17 +52,6 @@ from odc_plugin.balance.step_time import (
     model_params,
     plan_table,
 )
-
-
-def length_source(
-    spec: str, *, max_prompt_length: int = 512, max_response_length: int = 4096, max_length: int = 32768
-) -> tuple[Callable[[int, int], list[int]], int]:
-    """`draw(n, seed)` for "rl", "sft" or a load_lengths spec (sampled with replacement), and the longest
-    length it can return (plan_lengths, for the callers that need no more)."""
-    source = plan_lengths(
-        spec, max_prompt_length=max_prompt_length, max_response_length=max_response_length, max_length=max_length
-    )
-    return source.draw, source.longest
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
-from odc_plugin.balance.common import RankPlan, balance_efficiency
+from odc_plugin.balance.common import RankPlan, balance_efficiency, minibatch_limit
 from odc_plugin.balance.costs import PRESETS, CostModel, FlopsCost, get_cost_model, model_config
 from odc_plugin.balance.lb_micro import lb_micro
 from odc_plugin.balance.lb_mini import lb_mini
@@ -43,16 +43,6 @@ def off_planner_note(errors: dict[str, float], what: str = "run") -> str | None:
         + f"; the planner models compute only, so in such a {what} something else (the rehearsal's own overhead "
         "on few cores, waits the planner does not know of) is a visible part of the step"
     )
-
-
-def minibatch_limit(costs: Sequence[float], slowdown: Sequence[float], throughput: float = 1.0) -> float:
-    """The shortest time in which ranks of these slowdowns can run a mini-batch of samples costing `costs`,
-    however it is split: the larger of its work over the ranks' summed speeds (no rank ever idle) and its
-    longest sample on the fastest rank (a sample is never split). Every printed ideal is this one."""
-    if not slowdown or min(slowdown) <= 0:
-        raise ValueError(f"minibatch_limit needs one slowdown > 0 per rank, got {list(slowdown)!r}")
-    work = sum(costs) / sum(1 / f for f in slowdown)
-    return max(work, max(costs, default=0.0) * min(slowdown)) / throughput
 
 
 def unbalanceable_note(minibatches: dict[str, tuple[int, int]]) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from ..balance.common import LIMIT_DEFINITION
 from ..balance.step_time import off_planner_note, unbalanceable_note
 from .rows import FACTORS
 
@@ -38,8 +39,8 @@ def print_table(report: dict) -> None:
         "barriers; fsdp2: gloo collectives, transfers included)"
     )
     print(
-        f"limit: {statistics.median(report['limit_step_s']):.3f} s/step (median), per mini-batch the larger of its "
-        "work over the ranks' summed speeds and its longest sample on the fastest rank: no plan does better"
+        f"limit: {statistics.median(report['limit_step_s']):.3f} s/step (median), per mini-batch {LIMIT_DEFINITION}: "
+        "no plan does better"
     )
     notes = [
         off_planner_note({row: r["prediction_error"] for row, r in report["runs"].items()}, "row"),

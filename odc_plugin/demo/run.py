@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..balance import CostModel, FitCost, FlopsCost, lb_micro, lb_mini
+from ..balance.common import minibatch_limit
 from ..balance.costs import fit_quadratic
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit, lb_mini_auto
-from ..balance.step_time import minibatch_limit, simulate_minibatch
+from ..balance.step_time import simulate_minibatch
 from ..launch import run_ranks
 from ..layer_time import ComputeEmulator, EmulationFit, auto_time_scale
 from ..models import MODEL_SIZES, build_model, qwen2_config, shard_qwen2
@@ -210,7 +211,7 @@ def predict(cfg: DemoConfig, batches, plans, cost: FitCost) -> dict[str, list[fl
 
 
 def limit_step_s(cfg: DemoConfig, batches, cost: FitCost) -> list[float]:
-    """Per mini-batch, the time no row can beat (step_time.minibatch_limit)."""
+    """Per mini-batch, the time no row can beat (common.minibatch_limit)."""
     return [minibatch_limit(cost.costs([s.total for s in batch]), cfg.slowdowns) for batch in batches]
 
 

@@ -15,8 +15,8 @@ import statistics
 from collections.abc import Sequence
 
 from ..balance import FitCost
-from ..balance.lengths import RL_PROFILE
-from ..balance.planner import length_source
+from ..balance.common import LIMIT_DEFINITION
+from ..balance.lengths import RL_PROFILE, plan_lengths
 from ..balance.step_time import off_planner_note, plan_table, unbalanceable_note
 from .config import DemoConfig
 from .run import run_demo
@@ -44,11 +44,11 @@ def odc_plan_speedups(fit_file: str, workload: str, ranks: Sequence[int]) -> dic
     draws of the case's lengths, the fit's cost); rank counts whose mini-batch does not divide are left out."""
     case = CASES[workload]
     if workload == "rl":
-        draw, _ = length_source(
+        draw = plan_lengths(
             "rl", max_prompt_length=case["max_prompt_length"], max_response_length=case["max_response_length"]
-        )
+        ).draw
     else:
-        draw, _ = length_source("sft", max_length=case["max_token_len"])
+        draw = plan_lengths("sft", max_length=case["max_token_len"]).draw
     cost = FitCost.from_file(fit_file)
     speedups = {}
     for n in ranks:
@@ -154,9 +154,9 @@ def print_sweep(result: dict) -> None:
             f"{p['predicted_headline']:>8.3f}x{p['relative_error']:>+8.1%}{p['memory_gib']:>6.1f}GiB"
         )
     print(
-        "EMULATED layer compute (the rest real); >limit: the row's step time above the limit (per mini-batch the "
-        "larger of its work over the ranks' summed speeds and its longest sample on the fastest rank), median over "
-        "mini-batches; error: planner over measured factor, minus 1; memory: all ranks' PSS"
+        f"EMULATED layer compute (the rest real); >limit: the row's step time above the limit (per mini-batch "
+        f"{LIMIT_DEFINITION}), median over mini-batches; error: planner over measured factor, minus 1; memory: all "
+        "ranks' PSS"
     )
     labels = {f"{p['workload']} at {p['ranks']} ranks": p for p in result["points"]}
     notes = [

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from odc_plugin.balance import get_cost_model, rl_math_like
-from odc_plugin.balance.planner import length_source, main
+from odc_plugin.balance.lengths import plan_lengths
+from odc_plugin.balance.planner import main
 from odc_plugin.balance.step_time import (
     ClusterModel,
     StepTimeModel,
@@ -139,7 +140,7 @@ def test_cli_nodes_picks_by_network(nodes, inter_node_bw, fastest, pick, capsys)
 def test_ulysses_groups_are_the_units_of_lockstep_and_balance(capsys):
     """--sp N: ranks / N groups, each N times as fast and packing N times the per-GPU budget: the same
     prediction as that many single ranks so scaled (the all-to-all is not modelled)."""
-    draw, _ = length_source("rl", max_response_length=16384)
+    draw = plan_lengths("rl", max_response_length=16384).draw
     cost, model = get_cost_model("flops"), StepTimeModel(throughput=4e14)
     (row,) = plan_table(draw, [8], [32], 16896, cost, model, draws=2, sp_sizes=[2])
     (groups,) = plan_table(draw, [4], [32], 2 * 16896, cost, StepTimeModel(throughput=8e14), draws=2)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from odc_plugin.balance import FitCost
-from odc_plugin.balance.step_time import minibatch_limit, off_planner_note, simulate_minibatch, unbalanceable_note
+from odc_plugin.balance.common import minibatch_limit
+from odc_plugin.balance.step_time import off_planner_note, simulate_minibatch, unbalanceable_note
 from odc_plugin.demo import main
 from odc_plugin.demo.config import DemoConfig
 from odc_plugin.demo.rows import AUTO_ROW, ROWS

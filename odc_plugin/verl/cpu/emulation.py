@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ...balance.common import minibatch_limit
 from ...balance.lengths import RL_PROFILE, load_lengths, rl_math_like
-from ...balance.step_time import minibatch_limit, simulate_minibatch
+from ...balance.step_time import simulate_minibatch
 from ...layer_time import EmulationFit
 from . import EMULATION_ENV
 
@@ -134,7 +135,7 @@ class PhaseTime:
     predicted_s: float  # the planner: the same plans, the fit, each rank's slowdown
     busy_rank_s: float  # emulated compute of all ranks together
     ranks: int
-    limit_s: float  # per pass step_time.minibatch_limit of its samples, summed: no plan does better
+    limit_s: float  # per pass common.minibatch_limit of its samples, summed: no plan does better
     samples: int  # the most samples of any of the step's passes
 
     def idle_fraction(self, measured_s: float) -> float:
