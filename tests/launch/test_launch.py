@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,8 +31,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
 def test_ranks_die_with_a_parent_killed_by_sigterm_and_its_temp_dirs_go(tmp_path):
-    temp_dir = tmp_path / "tmp"  # the parent's TMPDIR: its results and fork-server directories go there
-    temp_dir.mkdir()
+    # The parent's TMPDIR: its results and fork-server directories go there. Short, since the fork server's
+    # socket lives in it and a Unix socket's path has at most 107 bytes (pytest's tmp_path can be longer).
+    temp_dir = Path(tempfile.mkdtemp(prefix="odc-", dir="/tmp"))
     parent = subprocess.Popen(
         [
             sys.executable,
@@ -61,3 +65,4 @@ def test_ranks_die_with_a_parent_killed_by_sigterm_and_its_temp_dirs_go(tmp_path
         assert not left, f"left behind: {left}"
     finally:
         parent.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
