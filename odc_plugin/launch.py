@@ -15,7 +15,6 @@ import importlib
 import os
 import select
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -35,12 +34,6 @@ _PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.mod
 
 class RankFailed(RuntimeError):
     """A rank raised or died; the message carries its traceback or exit code."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _by_name(fn):
@@ -107,6 +100,9 @@ def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, b
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # The launcher hosts the job's store, as torchrun's agent does: a rank that fails and exits first
+        # (rank 0 included) leaves it to the ranks still reading the failure from it.
+        TORCHELASTIC_USE_AGENT_STORE="True",
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -173,7 +169,8 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process starts its fork server
-    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     with _sigterm_exits(), tempfile.TemporaryDirectory(prefix="odc-ranks-") as out_dir:
         procs = [
             ctx.Process(
