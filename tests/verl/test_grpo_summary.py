@@ -67,3 +67,27 @@ def test_the_summary_is_the_exception_that_ended_the_run_not_a_warning_after_it(
     path = tmp_path / "run.log"
     path.write_text(log)
     assert grpo.last_error(str(path)) == expected
+
+
+# The end of a CI run (2026-11-25) in which another process took verl's rendezvous port before rank 0 listened.
+PORT_TAKEN = """\
+(WorkerDict pid=5120)     store = TCPStore(
+torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. \
+port: 44217, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use
+"""
+
+
+@pytest.mark.parametrize(
+    "log,returncode,steps,again",
+    [
+        (PORT_TAKEN, 1, 0, True),
+        (PORT_TAKEN, 1, 1, False),  # it trained: starting again would lose that work's log and repeat it
+        (ENGINE_START, 1, 0, False),  # a real error is reported, not retried
+        ("step 1 done\n", 0, 1, False),
+    ],
+)
+def test_only_a_run_whose_port_was_taken_before_its_first_step_starts_again(tmp_path, log, returncode, steps, again):
+    path = tmp_path / "run.log"
+    path.write_text(log)
+    result = grpo.RunResult("odc", returncode, 1.0, 0.1, steps, str(path), "", "")
+    assert grpo.port_taken_at_start(result) is again

@@ -311,8 +311,36 @@ class _Watch(threading.Thread):
         _kill([p for p in self.seen.values() if p.is_running()] + ray_processes(self.ray_dir))
 
 
+# verl picks its rendezvous port by binding port 0 and releasing it (`get_master_addr_port`); rank 0
+# listens on it seconds later, and any process on the machine may take it in between (an outgoing
+# connection, another job's gloo). Stock verl fails such a run at start; nothing has trained then.
+_PORT_TAKEN = "EADDRINUSE"
+PORT_RETRIES = 2
+
+
 def run_trainer(strategy: str, args: list[str], out_dir: str, steps: int, timeout_s: float, echo=print) -> RunResult:
-    """One `python -m verl.trainer.main_ppo` run; its output goes to DIR/<strategy>.log, progress to `echo`."""
+    """One `python -m verl.trainer.main_ppo` run; its output goes to DIR/<strategy>.log, progress to `echo`.
+    A run whose rendezvous port was taken before its first step is started again, up to PORT_RETRIES
+    times; the failed attempt's log is kept as DIR/<strategy>.port-taken-<n>.log."""
+    attempt = 0
+    while True:
+        result = _run_once(strategy, args, out_dir, steps, timeout_s, echo)
+        if attempt == PORT_RETRIES or not port_taken_at_start(result):
+            return result
+        attempt += 1
+        os.replace(result.log_file, os.path.join(out_dir, f"{strategy}.port-taken-{attempt}.log"))
+        echo(f"  {strategy}: verl's rendezvous port was taken before rank 0 listened; starting the run again")
+
+
+def port_taken_at_start(result: RunResult) -> bool:
+    """Whether a run failed before its first step because its rendezvous port was taken."""
+    if result.returncode == 0 or result.steps:
+        return False
+    with open(result.log_file, encoding="utf-8", errors="replace") as fp:
+        return _PORT_TAKEN in fp.read()
+
+
+def _run_once(strategy: str, args: list[str], out_dir: str, steps: int, timeout_s: float, echo) -> RunResult:
     log_file = os.path.join(out_dir, f"{strategy}.log")
     metrics_file = os.path.join(out_dir, f"{strategy}.jsonl")
     if os.path.exists(metrics_file):
