@@ -46,16 +46,16 @@ class _Mapping:
         self.mm = mmap.mmap(self.fd, nbytes)
 
     def tensor(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return torch.frombuffer(self.mm, dtype=dtype, count=numel)
+        # Through a memoryview: frombuffer releases its own export of the buffer at once, so over the mmap
+        # itself `mm.close()` would unmap memory that tensors still view. The memoryview's export lives as
+        # long as any tensor sharing this storage, and keeps `close()` from unmapping it.
+        return torch.frombuffer(memoryview(self.mm), dtype=dtype, count=numel)
 
-    def close(self, collect: bool = False) -> bool:
-        """Unmap and close; the file (unlinked since set-up) is gone with its last mapping. False when a tensor
-        made by frombuffer, or a view of one, still points into the mapping: it stays mapped until the GC
-        frees that tensor. `collect`: run the GC first if so (a reference cycle, a traceback's frames say,
-        may be all that holds the view)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    def unmap(self, collect: bool = False) -> bool:
+        """Unmap, keeping the file open (it was unlinked at set-up) so that `remap` can undo this. False when
+        a tensor made by frombuffer, or a view of one, still points into the mapping: it stays mapped until
+        the GC frees that tensor. `collect`: run the GC first if so (a reference cycle, a traceback's frames
+        say, may be all that holds the view)."""
         for attempt in range(2 if collect else 1):
             if attempt:
                 gc.collect()
@@ -65,6 +65,17 @@ class _Mapping:
             except BufferError:
                 pass
         return False
+
+    def remap(self) -> None:
+        self.mm = mmap.mmap(self.fd, self.nbytes)
+
+    def close(self) -> None:
+        """Unmap if nothing views the mapping (else it stays mapped until the GC frees the view) and close the
+        file, which is gone with its last mapping."""
+        self.unmap()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class ShmTransport(Transport):
@@ -118,14 +129,23 @@ class ShmTransport(Transport):
     def free(self, name: str) -> None:
         # Local: a peer still mapping its own copy of this rank's file keeps only its own mapping alive, and
         # every file was unlinked at set-up, so nothing is left to meet about.
-        mappings = self._mappings.pop(name)
-        del self._peer_tensors[name]
-        held = [m for m in mappings if not m.close(collect=True)]
-        if held:
+        mappings, own = self._mappings[name], self._peer_tensors.pop(name)[self.rank]
+        dtype, numel = own.dtype, own.numel()
+        del own
+        unmapped = [m.unmap(collect=True) for m in mappings]
+        if not all(unmapped):
+            # Refused: the region stays as it was, its contents too (the open files hold them).
+            for m, done in zip(mappings, unmapped):
+                if done:
+                    m.remap()
+            self._peer_tensors[name] = [m.tensor(dtype, numel) for m in mappings]
             raise RuntimeError(
-                f"rank {self.rank}: shared-memory region '{name}' cannot be unmapped: a tensor still views "
-                f"{len(held)} of its mappings; drop every view of a region before freeing it"
+                f"rank {self.rank}: shared-memory region '{name}' cannot be freed: a tensor still views "
+                f"{unmapped.count(False)} of its mappings; drop every view of a region before freeing it"
             )
+        del self._mappings[name]
+        for m in mappings:
+            m.close()
 
     def region_bytes(self, region: Region) -> int:
         return self._mappings[region.name][self.rank].nbytes

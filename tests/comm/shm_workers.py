@@ -81,3 +81,34 @@ def failure_rounds(rank, world_size):
     seen["round 2"] = "passed"
     t.close()
     return seen
+
+
+def free_refused_while_viewed(rank, world_size):
+    """free() of a region whose `local` is still held is refused and changes nothing; once dropped, it frees."""
+    t = make_transport("shm")
+    region = t.alloc("r", 8, torch.float32)
+    region.local.fill_(rank + 1)
+    mapped = t.mapped_bytes()
+    t.barrier(30)
+    try:
+        t.free("r")
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    t.accumulate(region, (rank + 1) % world_size, 0, torch.full((8,), 10.0))
+    t.barrier(30)
+    pulled = []
+    for peer in range(world_size):
+        out = torch.empty(8)
+        t.get(region, peer, 0, out)
+        pulled.append(out)
+    after_refusal = t.mapped_bytes()
+    t.barrier(30)
+    del region
+    t.free("r")
+    freed = t.mapped_bytes()
+    again = t.alloc("r", 4, torch.float32)  # the name is free again
+    out = {"refused": refused, "pulled": pulled, "mapped": (mapped, after_refusal, freed), "again": again.local.sum()}
+    del again
+    t.close()
+    return out

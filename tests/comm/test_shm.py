@@ -78,3 +78,18 @@ def test_a_barrier_counts_a_peer_only_within_its_round():
         "ODC recovery meeting #1",
         "ODC barrier #1 of round 1",
     ]
+
+
+def test_freeing_a_region_still_viewed_is_refused_and_changes_nothing():
+    world = 2
+    results = run_ranks(shm_workers.free_refused_while_viewed, world)
+    for rank, res in enumerate(results):
+        assert res["refused"] == (
+            f"rank {rank}: shared-memory region 'r' cannot be freed: a tensor still views 1 of its mappings; "
+            "drop every view of a region before freeing it"
+        )
+        # the region kept its contents and every rank's mapping: the refused free's peers still add and read
+        assert [p.tolist() for p in res["pulled"]] == [[peer + 1 + 10.0] * 8 for peer in range(world)], rank
+        mapped, after_refusal, freed = res["mapped"]
+        assert after_refusal == mapped and freed == mapped - (world - 1) * 32, rank
+        assert res["again"] == 0, rank
