@@ -160,13 +160,13 @@ def run_ranks(
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return the per-rank results.
 
     `fn` must be importable (a module-level function); `setup`, if given, runs in each rank before the
-    process group starts and before `fn`'s module is imported. Raises RankFailed naming the first
-    failed rank; if one fails, the others get `failure_grace_s` to finish, then are killed.
+    process group starts and before `fn`'s module is imported. Raises RankFailed naming the rank that
+    failed first; if one fails, the others get `failure_grace_s` to finish, then are killed.
 
     Long because starting, watching and reaping the ranks is one sequence whose clean-up paths share state.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process starts its fork server
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
@@ -195,30 +195,46 @@ def run_ranks(
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
+        failed_at: dict[int, float] = {}  # when each failed rank was first seen to have exited non-zero
+        killed: dict[int, str] = {}  # the ranks the launcher ended, and why
         try:
             while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    # One rank failed: the rest get a grace period to fail on their own (a barrier
-                    # timeout, say) so their errors are reported too.
-                    deadline = min(deadline, time.monotonic() + failure_grace_s)
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in failed_at:
+                        failed_at[r] = time.monotonic()
+                        # One rank failed: the rest get a grace period to fail on their own (a barrier
+                        # timeout, say) so their errors are reported too.
+                        deadline = min(deadline, failed_at[r] + failure_grace_s)
                 time.sleep(0.05)
         finally:
-            for p in procs:
+            first = min(failed_at, key=failed_at.get, default=None)
+            for r, p in enumerate(procs):
                 if p.is_alive():
                     p.kill()
+                    killed[r] = (
+                        f"was killed by the launcher {failure_grace_s:g} s after rank {first} failed"
+                        if first is not None
+                        else f"was killed by the launcher at its time limit ({timeout_s:g} s)"
+                    )
                 p.join()
         results = []
         for r, p in enumerate(procs):
             path = os.path.join(out_dir, f"rank{r}.pt")
             if not os.path.exists(path):
-                why = "was killed at the time limit" if p.exitcode == -9 else f"exited with code {p.exitcode}"
+                code = p.exitcode
+                died = f"died of {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                why = killed.get(r, died)
                 results.append({"ok": False, "error": f"{why} and left no result", "traceback": ""})
             else:
                 results.append(torch.load(path, weights_only=False))
-        failed = [(r, res) for r, res in enumerate(results) if not res["ok"]]
+        # The first rank to fail first, the ones the launcher killed last.
+        failed = sorted(
+            (r for r, res in enumerate(results) if not res["ok"]),
+            key=lambda r: (failed_at.get(r, float("inf")), r in killed, r),
+        )
         if failed:
-            r, res = failed[0]
-            others = ", ".join(f"rank {q}: {e['error']}" for q, e in failed[1:])
+            r, res = failed[0], results[failed[0]]
+            others = ", ".join(f"rank {q}: {results[q]['error']}" for q in failed[1:])
             raise RankFailed(
                 f"rank {r} failed: {res['error']}" + (f" (also {others})" if others else "") + f"\n{res['traceback']}"
             )

@@ -44,6 +44,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -88,10 +89,18 @@ class ODCConfig:
     to FSDP2's memory, and a backward mini-batch is refused."""
 
     def __post_init__(self):
-        if not self.barrier_timeout_s > 0:
-            raise ValueError(f"barrier_timeout_s must be > 0, got {self.barrier_timeout_s}")
-        if self.gradient_divide_factor is not None and not self.gradient_divide_factor > 0:
-            raise ValueError(f"gradient_divide_factor must be > 0 or None, got {self.gradient_divide_factor}")
+        for name in ("lockstep", "trains"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ODCConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if not _positive_number(self.barrier_timeout_s):
+            raise ValueError(f"ODCConfig.barrier_timeout_s must be a finite number > 0, got {self.barrier_timeout_s!r}")
+        if self.gradient_divide_factor is not None and not _positive_number(self.gradient_divide_factor):
+            factor = self.gradient_divide_factor
+            raise ValueError(f"ODCConfig.gradient_divide_factor must be a finite number > 0 or None, got {factor!r}")
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 @dataclass
@@ -157,6 +166,10 @@ class OnDemandComm:
         """Set ODC up on a fully_shard-ed model; long because set-up is one ordered sequence (checks, mesh, regions,
         layouts, hooks) whose steps share their state.
         """
+        if not isinstance(transport, Transport):
+            raise TypeError(f"apply_odc needs a Transport (make_transport(kind, ...)), got {type(transport).__name__}")
+        if config is not None and not isinstance(config, ODCConfig):
+            raise TypeError(f"apply_odc's config must be an ODCConfig, got {type(config).__name__}")
         self.model = model
         self.transport = transport
         self.config = config or ODCConfig()
@@ -207,6 +220,11 @@ class OnDemandComm:
         self.layouts: list[_GroupLayout] = []
         param_bytes = grad_numel = num_slots = 0
         for _, groups in modules_and_groups:
+            if self.world_size > 1 and len(groups) > 1:
+                raise ValueError(
+                    "ODC needs one parameter group per fully_shard module; per-parameter "
+                    "meshes (shard_placement_fn) are not supported"
+                )
             for group in groups:
                 shard = fsdp_internals.all_gather_input(group)
                 nbytes = shard.numel() * shard.element_size()
@@ -224,6 +242,7 @@ class OnDemandComm:
             device = self.grads.local.device
             elsewhere = {s.param.to_local().device for layout in self.layouts for s in layout.slots} - {device}
             if elsewhere:
+                self.release()  # a refused apply_odc leaves nothing allocated on the transport
                 raise ValueError(
                     f"offload_policy (FSDP2's CPU offload) of a trained model is not supported with ODC: its sharded "
                     f"parameters are on {sorted(map(str, elsewhere))}, ODC's gradient accumulator on {device}; turn "
@@ -237,11 +256,6 @@ class OnDemandComm:
             for module, groups in modules_and_groups:
                 if not groups:
                     continue  # an FSDP module whose parameters all belong to its children
-                if len(groups) > 1:
-                    raise ValueError(
-                        "ODC needs one parameter group per fully_shard module; per-parameter "
-                        "meshes (shard_placement_fn) are not supported"
-                    )
                 layout = layout_of[id(groups[0])]
                 scatter = _ScatterAccumulate(self, layout)
                 self._scatters.append(scatter)
@@ -271,10 +285,19 @@ class OnDemandComm:
         if not self.released:
             return
         start = time.perf_counter()
+        try:
+            self._allocate()
+        except BaseException:
+            self._free_regions()  # a failed build leaves nothing allocated: the next one starts clean
+            raise
+        self.build_s += time.perf_counter() - start
+
+    def _allocate(self) -> None:
         transport = self.transport
         self.params = transport.alloc("odc.params", self._param_bytes, torch.uint8)
-        # With one rank FSDP never calls its comm hooks and builds `.grad` itself; a forward-only model has none.
-        if self.config.trains and self.world_size > 1:
+        # With one rank FSDP never calls its comm hooks and builds `.grad` itself; a forward-only model, or one
+        # whose parameters are all frozen, has none.
+        if self.config.trains and self.world_size > 1 and self._num_slots:
             # One region, so that HSDP sums the accumulators and the used flags across replicas in one bucket.
             self.grads = transport.alloc("odc.grads", self.grad_numel + self._num_slots, torch.float32)
             carries = self.mesh.replicate_group is None or dist.get_rank(self.mesh.replicate_group) == 0
@@ -283,7 +306,6 @@ class OnDemandComm:
             most = max((len(layout.slots) for layout in self.layouts), default=0)
             self._ones = torch.ones(most, device=self.grads.local.device)
         self.published = transport.alloc("odc.published", 1, torch.int64)
-        self.build_s += time.perf_counter() - start
 
     def release(self) -> None:
         """Collective, between mini-batches: free the model's regions on every rank (the published shards and
@@ -300,13 +322,16 @@ class OnDemandComm:
         self.transport.synchronize()
         if self._gradients is not None:
             self._gradients.detach()
+        self._free_regions()
+        self.build_s += time.perf_counter() - start
+
+    def _free_regions(self) -> None:
         names = [region.name for region in (self.published, self.grads, self.params) if region is not None]
         # Every view of a region goes before the region itself (Transport.free).
         self.params = self.grads = self.published = None
         self._gradients, self._ones = None, None
         for name in names:
             self.transport.free(name)
-        self.build_s += time.perf_counter() - start
 
     def memory_bytes(self) -> ODCMemory:
         """What this rank's ODC holds for the model now, as its transport allocated it, against stock FSDP2."""

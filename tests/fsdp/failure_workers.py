@@ -151,7 +151,7 @@ def hsdp_retry_after_failure(rank, world_size, failed, retried, culprit, where):
 def _refusal(call) -> str:
     try:
         call()
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, TypeError) as e:
         return f"{type(e).__name__}: {e}"
     return "not refused"
 
@@ -204,3 +204,31 @@ def next_call_after_timeout(rank, world_size, seqs, plan):
     except Exception as second:  # noqa: BLE001  (its type is what the test checks)
         return [c.__name__ for c in type(timed_out).__mro__], [c.__name__ for c in type(second).__mro__], str(second)
     return "begin() was not refused"
+
+
+def refused_setup_then_retry(rank, world_size, seqs, plan):
+    """apply_odc refused (a dict for its config), then done right on the same transport and model: the refusal
+    leaves nothing allocated. Also a model whose parameters are all frozen: no accumulator, a mini-batch runs."""
+    from odc_plugin.fsdp import ODCConfig
+
+    model = sharded_model(rank, world_size)
+    transport = make_transport("shm")
+    mapped = transport.mapped_bytes()
+    refusal = _refusal(lambda: apply_odc(model, transport, {"barrier_timeout_s": 5}))
+    left = transport.mapped_bytes() - mapped
+    odc = apply_odc(model, transport, ODCConfig(barrier_timeout_s=30))
+    global_tokens = count_targets(seqs)
+    with odc.minibatch():
+        for mb in plan[rank]:
+            token_mean_loss(model, [seqs[j] for j in mb], global_tokens, world_size).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    odc.close()
+
+    frozen = sharded_model(rank, world_size)
+    frozen.requires_grad_(False)
+    frozen_odc = apply_odc(frozen, make_transport("shm"))
+    with frozen_odc.minibatch(backward=False), torch.no_grad():
+        frozen(seqs[0][None])
+    accumulator = frozen_odc.memory_bytes().accumulator
+    frozen_odc.close()
+    return refusal, left, grads, accumulator

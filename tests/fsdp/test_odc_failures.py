@@ -143,3 +143,38 @@ def test_after_a_timeout_the_next_call_raises_the_timeouts_type():
         assert second[:3] == ["ODCTimeoutError", "ODCError", "RuntimeError"], second
         assert message.startswith("ODC cannot run another mini-batch: mini-batch 1 timed out"), message
         assert f"rank {rank}: waited 1s for mini-batch 1 shards; rank 2 did not get there" in message, message
+
+
+def test_a_refused_apply_odc_leaves_nothing_and_a_model_with_every_parameter_frozen_needs_no_accumulator():
+    seqs = workers.make_sequences(6, seed=33)
+    plan = random_plan(len(seqs), [2, 1], seed=33)
+    results = run_ranks(failure_workers.refused_setup_then_retry, 2, seqs, plan)
+    expected = test_odc_core.reference_grads(seqs)
+    for rank, (refusal, left, grads, accumulator) in enumerate(results):
+        assert refusal == "TypeError: apply_odc's config must be an ODCConfig, got dict", rank
+        assert left == 0, rank
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+        assert accumulator == 0, rank
+
+
+@pytest.mark.parametrize(
+    "options,error",
+    [
+        ({"trains": "no"}, "ODCConfig.trains must be True or False, got 'no'"),
+        ({"lockstep": 1}, "ODCConfig.lockstep must be True or False, got 1"),
+        ({"barrier_timeout_s": True}, "ODCConfig.barrier_timeout_s must be a finite number > 0, got True"),
+        ({"barrier_timeout_s": "10"}, "ODCConfig.barrier_timeout_s must be a finite number > 0, got '10'"),
+        ({"barrier_timeout_s": float("inf")}, "ODCConfig.barrier_timeout_s must be a finite number > 0, got inf"),
+        (
+            {"gradient_divide_factor": float("inf")},
+            "ODCConfig.gradient_divide_factor must be a finite number > 0 or None, got inf",
+        ),
+    ],
+)
+def test_a_config_of_the_wrong_type_or_value_is_refused_naming_the_field(options, error):
+    from odc_plugin.fsdp import ODCConfig
+
+    with pytest.raises((TypeError, ValueError)) as refused:
+        ODCConfig(**options)
+    assert str(refused.value) == error

@@ -20,6 +20,29 @@ def write_pid_and_sleep(rank, world, out_dir):
     time.sleep(600)
 
 
+def fail_on_one(rank, world, how):
+    """Rank 1 fails (raises or is killed by a signal) while rank 0 waits on and would outlive the grace period."""
+    if rank == 1:
+        if how == "raise":
+            raise ValueError("bad input on rank 1")
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+
+
+@pytest.mark.parametrize(
+    "how,error", [("raise", "ValueError: bad input on rank 1"), ("signal", "died of SIGKILL and left no result")]
+)
+def test_the_rank_that_failed_first_is_named_not_the_one_the_launcher_killed(how, error):
+    from odc_plugin.launch import RankFailed, run_ranks
+
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(fail_on_one, 2, how, failure_grace_s=1.0)
+    first_line = str(failure.value).splitlines()[0]
+    assert first_line == (
+        f"rank 1 failed: {error} (also rank 0: was killed by the launcher 1 s after rank 1 failed and left no result)"
+    )
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
