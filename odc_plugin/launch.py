@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .comm.shm import remove_files_of
+
 # What every rank imports anyway; nothing here may import verl, which a rank's `setup` must precede.
 _PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.models.qwen2.modeling_qwen2"]
 
@@ -217,6 +219,8 @@ def run_ranks(
                         else f"was killed by the launcher at its time limit ({timeout_s:g} s)"
                     )
                 p.join()
+            # A rank killed while it set up a shared-memory region ran no clean-up: its files go now.
+            remove_files_of(p.pid for p in procs)
         results = []
         for r, p in enumerate(procs):
             path = os.path.join(out_dir, f"rank{r}.pt")

@@ -21,8 +21,10 @@ from is never raised again, and a barrier never counts a peer that left its roun
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +80,24 @@ def poll(ready: Callable[[], bool], timeout_s: float, error: Callable[[], str]) 
         pause = min(pause * 2, 1e-3)
 
 
+def is_positive_finite(value) -> bool:
+    """Whether `value` is a real number (not a bool), finite and > 0: a timeout, a divide factor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def check_timeout(timeout_s: float) -> None:
+    """Refuse a wait's `timeout_s` unless it is a finite number of seconds > 0 (a bool is not one)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not is_positive_finite(timeout_s):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+
+
+# (src dtype, region dtype) pairs `accumulate` takes besides equal ones: bf16 gradients added into an fp32
+# accumulator widen exactly (the GPU kernels read bf16 directly; nvshmem ships it as bf16).
+_WIDENING_ADDS = frozenset({(torch.bfloat16, torch.float32)})
+
+
 @dataclass(frozen=True)
 class Region:
     """A symmetric region: `numel` elements of `dtype` on every rank, `local` is this rank's slice."""
@@ -100,13 +120,72 @@ class Transport(abc.ABC):
         self._recovering = False
         self._control: list[Region] = []  # the regions the transport itself holds until close
         self._control_names: set[str] = set()  # theirs, known to `alloc` while it allocates one
+        self._allocating_control = False  # only `_alloc_control` may allocate a name in _control_names
+        self._closed = False
 
     def _alloc_control(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         """Collective, during set-up: a region of the transport's own control words, held until `close`."""
         self._control_names.add(name)
-        region = self.alloc(name, numel, dtype)
+        self._allocating_control = True
+        try:
+            region = self.alloc(name, numel, dtype)
+        finally:
+            self._allocating_control = False
         self._control.append(region)
         return region
+
+    # Every public call checks its arguments first, with these, so that a call refused for misuse changes
+    # nothing: no region half registered, no barrier arrival written that its peers would count.
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: the ODC transport is closed; make a new one to use it again")
+
+    def _check_alloc(self, name: str, numel: int, dtype: torch.dtype, allocated: Container[str]) -> None:
+        """`alloc`'s arguments; `allocated`: the names of the transport's regions."""
+        self._check_open()
+        if not isinstance(name, str) or not name or "/" in name or "\0" in name:
+            raise ValueError(f"region name must be a non-empty str without '/' or NUL, got {name!r}")
+        if name in self._control_names and not self._allocating_control:
+            raise ValueError(f"region name '{name}' is the transport's own control words; choose another name")
+        if name in allocated:
+            raise ValueError(f"region '{name}' is already allocated; free('{name}') it first or choose another name")
+        if isinstance(numel, bool) or not isinstance(numel, numbers.Integral):
+            raise TypeError(f"numel of region '{name}' must be an int, got {numel!r}")
+        if numel < 1:
+            raise ValueError(f"numel of region '{name}' must be >= 1, got {numel}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype of region '{name}' must be a torch.dtype, got {dtype!r}")
+
+    def _check_free(self, name: str, allocated: Container[str]) -> None:
+        """`free`'s argument; `allocated`: the names of the transport's regions."""
+        self._check_open()
+        if name in self._control_names:
+            raise ValueError(f"region '{name}' is the transport's own control words; close() releases them")
+        if not isinstance(name, str) or name not in allocated:
+            raise ValueError(f"no region {name!r} to free: it was never allocated or is already freed")
+
+    def _check_wait(self, timeout_s: float) -> None:
+        """A wait's `timeout_s`, before the wait writes anything its peers read."""
+        self._check_open()
+        check_timeout(timeout_s)
+
+    def _check_transfer(self, region: Region, peer: int, offset: int, tensor: torch.Tensor, arg: str) -> int:
+        """`get`'s `out` (arg "out") or `accumulate`'s `src` (arg "src") and the range they span; returns
+        its numel. Per layer, so a few attribute reads: no copy, no device sync."""
+        self._check_open()
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != region.dtype and not (arg == "src" and (tensor.dtype, region.dtype) in _WIDENING_ADDS):
+            raise TypeError(
+                f"{arg} is {tensor.dtype} but region '{region.name}' is {region.dtype}; "
+                f"convert it to {region.dtype} (no transport casts silently)"
+            )
+        if tensor.device != region.local.device:
+            raise ValueError(f"{arg} is on {tensor.device} but region '{region.name}' is on {region.local.device}")
+        n = tensor.numel()
+        self._check_range(region, peer, offset, n)
+        return n
 
     def _alloc_failure_notices(self) -> None:
         """Collective, at the end of every transport's set-up: the two failure notices of each rank."""
@@ -114,15 +193,17 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        """Collective: every rank allocates `numel` zeroed elements that all peers can reach."""
+        """Collective: every rank allocates `numel` (>= 1) zeroed elements that all peers can reach. `name`:
+        a non-empty str without '/' or NUL, not a region already allocated nor one of the transport's own."""
 
     @abc.abstractmethod
     def free(self, name: str) -> None:
         """Collective: every rank releases its slice of region `name` and its mappings of the peers' slices,
         so that the memory returns to the system once every rank has freed it. Every rank frees the same
-        regions in the same order, with no get or accumulate of them in flight (after a barrier), and only
-        once every tensor viewing the region, its Region's `local` included, is gone (by name, so that the
-        caller can drop its Region first). The name may then be allocated again."""
+        regions in the same order, with no get or accumulate of them in flight (after a barrier). The region
+        is gone from the transport at once (its name may be allocated again, `mapped_bytes` no longer counts
+        it); a tensor still viewing it, its Region's `local` say, keeps only that memory alive until the
+        tensor itself goes. Raises ValueError for a name that is not a region, or is the transport's own."""
 
     @abc.abstractmethod
     def region_bytes(self, region: Region) -> int:
@@ -131,11 +212,13 @@ class Transport(abc.ABC):
     def control_bytes(self) -> int:
         """Bytes of this rank's control words: what the transport holds from start to `close`, whatever
         regions exist."""
+        self._check_open()
         return sum(self.region_bytes(r) for r in self._control)
 
     def staging_bytes(self) -> int:
         """Bytes of this rank's staging buffers (none here), held while any region other than the control
         words exists."""
+        self._check_open()
         return 0
 
     @abc.abstractmethod
@@ -144,11 +227,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
-        """Copy `out.numel()` elements of `peer`'s slice, starting at `offset`, into `out`."""
+        """Copy `out.numel()` elements of `peer`'s slice, starting at `offset`, into `out` (a tensor of the
+        region's dtype, on its device)."""
 
     @abc.abstractmethod
     def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
-        """Add `src` into `peer`'s slice at `offset`; concurrent writers from many ranks lose nothing.
+        """Add `src` into `peer`'s slice at `offset`; concurrent writers from many ranks lose nothing. `src`
+        is of the region's dtype (or bf16 into an fp32 region), on its device.
 
         The owner's own writes to its slice (zeroing it after a barrier) must be finished before peers
         accumulate again; the FSDP layer orders this with its "published" flag.
@@ -186,6 +271,7 @@ class Transport(abc.ABC):
 
         Point-to-point: only `peer` has to have got there, nobody else.
         """
+        self._check_wait(timeout_s)
         flag = torch.empty(1, dtype=region.dtype, device=region.local.device)
 
         def waiting_on() -> int | None:
@@ -200,6 +286,7 @@ class Transport(abc.ABC):
 
     def wait_for_arrivals(self, missing: Callable[[], list[int]], epoch: int, timeout_s: float) -> None:
         """Wait until `missing()` (the ranks not yet at barrier `epoch`) is empty; name them on timeout."""
+        self._check_wait(timeout_s)
         last: list[int] = []
 
         def waiting_on() -> int | None:
@@ -220,6 +307,7 @@ class Transport(abc.ABC):
         for. Raises ODCTimeoutError(error()) after `timeout_s`, and ODCPeerFailedError as soon as a peer
         announces a failure (outside a recovery, whose very point is that they did). Between checks the rank
         sleeps (here with growing pauses; a transport that can be woken sleeps until that peer changes a flag)."""
+        self._check_wait(timeout_s)
 
         def ready() -> bool:
             self._raise_unless_recovering()
@@ -234,6 +322,7 @@ class Transport(abc.ABC):
     def announce_failure(self, message: str) -> None:
         """Announce that this rank's part of the current round failed with `message`: every peer waiting,
         now or later in the round, raises ODCPeerFailedError naming this rank. The ranks then `recover`."""
+        self._check_open()
         slot = (self._round % 2) * NOTICE_WORDS
         room = 8 * (NOTICE_WORDS - _HEADER_WORDS)
         text = message.encode("utf-8", errors="replace")[:room].ljust(room, b"\0")
@@ -247,6 +336,7 @@ class Transport(abc.ABC):
 
     def failures(self) -> list[FailureNotice]:
         """The failure notices of the current round, this rank's own included."""
+        self._check_open()
         slot = (self._round % 2) * NOTICE_WORDS
         device = self._notices.local.device
         head = torch.empty(1, dtype=torch.int64, device=device)
@@ -274,6 +364,7 @@ class Transport(abc.ABC):
         failed round any more, then move to the next round. Returns the round's failure notices, complete
         (each failing rank posted its own before it came here). Raises ODCTimeoutError naming the ranks
         that did not come within `timeout_s`."""
+        self._check_wait(timeout_s)
         self._epoch = ((self._round + 1) << ROUND_SHIFT) - 1
         self._recovering = True
         try:
@@ -287,15 +378,17 @@ class Transport(abc.ABC):
     def signal(self, region: Region, offset: int, value: int) -> None:
         """Set an int64 flag in this rank's own slice, after every transfer this rank issued before it;
         peers waiting for it in wait_at_least see it."""
+        self._check_open()
         self.synchronize()
         region.local[offset] = value
 
     def synchronize(self) -> None:
         """Wait for this rank's outstanding asynchronous transfers (no-op for synchronous transports)."""
+        self._check_open()
 
     def close(self) -> None:
         """Release the regions; safe to call twice. Collective for some transports (nvshmem): every
-        rank calls it, in the same order."""
+        rank calls it, in the same order. Every other call raises RuntimeError afterwards."""
 
     def _check_range(self, region: Region, peer: int, offset: int, n: int) -> None:
         if not 0 <= peer < self.world_size:

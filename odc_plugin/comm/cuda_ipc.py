@@ -83,10 +83,9 @@ class CudaIpcTransport(Transport):
         self.probe_s = peer_atomics.check(self, [g.gpu for g in self._gpus], devices, group)
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        if name in self._peers:
-            raise ValueError(f"region '{name}' is already allocated")
+        self._check_alloc(name, numel, dtype, self._peers)
         before = torch.cuda.memory_allocated(self.device)
-        own, pool = _shareable_zeros(max(numel, 1), dtype, self.device)
+        own, pool = _shareable_zeros(numel, dtype, self.device)
         nbytes = torch.cuda.memory_allocated(self.device) - before
         # The zeros must be in memory before any peer can write into the region; the collective below
         # only starts once this has returned.
@@ -114,6 +113,7 @@ class CudaIpcTransport(Transport):
         return Region(name, numel, dtype, self._peers[name][self.rank])
 
     def free(self, name: str) -> None:
+        self._check_free(name, self._peers)
         torch.cuda.synchronize(self.device)  # nothing enqueued may still read or write the region
         # Dropping the mappings closes the handles, and each drop tells its owner this rank let go.
         del self._peers[name]
@@ -123,9 +123,11 @@ class CudaIpcTransport(Transport):
         del self._pools[name]  # the pool's segment goes back to the device at the next empty_cache()
 
     def region_bytes(self, region: Region) -> int:
+        self._check_open()
         return self._bytes[region.name]
 
     def mapped_bytes(self) -> int:
+        self._check_open()
         # each peer's slice was allocated as this rank's was, so it takes as many bytes
         return (self.world_size - 1) * sum(self._bytes.values())
 
@@ -154,14 +156,12 @@ class CudaIpcTransport(Transport):
         return self._peers[region.name][peer]
 
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
-        n = out.numel()
-        self._check_range(region, peer, offset, n)
+        n = self._check_transfer(region, peer, offset, out, "out")
         # Same-device copy on the current stream: cudaMemcpyAsync reads the peer's GPU over P2P.
         out.view(-1).copy_(self._peers[region.name][peer][offset : offset + n])
 
     def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
-        n = src.numel()
-        self._check_range(region, peer, offset, n)
+        n = self._check_transfer(region, peer, offset, src, "src")
         if region.dtype != torch.float32:
             raise TypeError(f"accumulate needs a float32 region, '{region.name}' is {region.dtype}")
         # Each rank starts at its own tile of the range, so the owner's concurrent writers spread out.
@@ -169,6 +169,7 @@ class CudaIpcTransport(Transport):
         self._kernels.accumulate(dst, src, scope="sys", sender=self.rank, senders=self.world_size)
 
     def barrier(self, timeout_s: float) -> None:
+        self._check_wait(timeout_s)
         epoch = self._next_epoch()
         # Host-synchronizing the device waits for every stream this rank enqueued gets and accumulates on
         # (FSDP's all-gather and reduce-scatter streams included), so every atomic add has been performed
@@ -190,9 +191,11 @@ class CudaIpcTransport(Transport):
         self.wait_for_arrivals(missing, epoch, timeout_s)
 
     def synchronize(self) -> None:
+        self._check_open()
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
+        self._closed = True
         if self._peers:
             torch.cuda.synchronize(self.device)
         # Dropping the mappings closes the IPC handles (torch counts them for the exporting process).

@@ -335,8 +335,7 @@ class NvshmemTransport(Transport):
     # -- regions ----------------------------------------------------------------------------------
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        if name in self._regions:
-            raise ValueError(f"region '{name}' is already allocated")
+        self._check_alloc(name, numel, dtype, self._regions)
         if self._stage is None and name not in self._control_names:
             self._alloc_staging()
         base = self._malloc(f"region '{name}'", numel * dtype.itemsize)
@@ -353,6 +352,7 @@ class NvshmemTransport(Transport):
         self._acc_table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
 
     def free(self, name: str) -> None:
+        self._check_free(name, self._regions)
         torch.cuda.synchronize(self.device)
         base = self._regions.pop(name)
         if name in self._acc_ids:
@@ -365,6 +365,7 @@ class NvshmemTransport(Transport):
             self._free_staging()
 
     def region_bytes(self, region: Region) -> int:
+        self._check_open()
         return _aligned(region.numel * region.dtype.itemsize)
 
     def control_bytes(self) -> int:
@@ -372,19 +373,18 @@ class NvshmemTransport(Transport):
         return ctrl + super().control_bytes()
 
     def staging_bytes(self) -> int:
+        self._check_open()
         return 0 if self._stage is None else _aligned(self._stage.numel())
 
     def mapped_bytes(self) -> int:
+        self._check_open()
         # a peer reaches every symmetric allocation of this rank at the same offset of its heap
         return (self.world_size - 1) * (self._heap_used - HEAP_RESERVE)
 
     # -- get --------------------------------------------------------------------------------------
 
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
-        n = out.numel()
-        self._check_range(region, peer, offset, n)
-        if out.dtype != region.dtype:
-            raise TypeError(f"get from '{region.name}' ({region.dtype}) into a {out.dtype} tensor")
+        n = self._check_transfer(region, peer, offset, out, "out")
         self._progress()
         if peer == self.rank and not self.loopback:
             out.view(-1).copy_(region.local[offset : offset + n])
@@ -411,8 +411,7 @@ class NvshmemTransport(Transport):
     # -- accumulate -------------------------------------------------------------------------------
 
     def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
-        n = src.numel()
-        self._check_range(region, peer, offset, n)
+        n = self._check_transfer(region, peer, offset, src, "src")
         if region.dtype != torch.float32:
             raise TypeError(f"accumulate needs a float32 region, '{region.name}' is {region.dtype}")
         self._progress()
@@ -510,6 +509,7 @@ class NvshmemTransport(Transport):
     # -- waits ------------------------------------------------------------------------------------
 
     def barrier(self, timeout_s: float) -> None:
+        self._check_wait(timeout_s)
         epoch = self._next_epoch()
         W, aux = self.world_size, self._aux_stream
         # Every put this rank enqueued has run (puts on the stream are locally complete) ...
@@ -562,6 +562,7 @@ class NvshmemTransport(Transport):
         self._progress_stream.synchronize()
 
     def synchronize(self) -> None:
+        self._check_open()
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:

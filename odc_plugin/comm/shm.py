@@ -8,19 +8,26 @@ the lock if its holder dies, so a killed rank cannot wedge the others.
 A waiting rank sleeps in the kernel and takes no core: every rank owns a doorbell word that it bumps
 (and wakes its sleepers on) whenever it raises one of its flags, and a rank waiting for a peer's flag
 sleeps on that peer's doorbell (futex.py).
+
+Files. A region's files exist only while it is set up: every rank unlinks them once all have mapped them.
+A rank killed in between (waiting in `alloc` for a slow peer) runs no clean-up, so every file's name
+carries the pid of the rank that created it, `odc-<token>-<region>-r<rank>-p<pid>`: a launcher that
+killed ranks removes theirs (`remove_files_of`), and every new transport removes those of dead creators
+older than an hour (a job killed under torchrun). A file whose creator's pid was reused by a live process
+stays.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import mmap
 import os
+import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +36,8 @@ from . import futex
 from .base import ODCTimeoutError, Region, Transport
 
 _SHM_DIR = "/dev/shm"
+# A region file's name; `creator` is the pid of the process that created it.
+_FILE = re.compile(r"odc-[0-9a-f]{12}-.+-r\d+-p(?P<creator>\d+)")
 # A sleeper re-checks its condition at least this often, whatever it was woken by: a wake-up missed in
 # a race (a flag raised between its check and its sleep) costs at most this long.
 _RECHECK_S = 0.05
@@ -51,41 +60,72 @@ class _Mapping:
         # long as any tensor sharing this storage, and keeps `close()` from unmapping it.
         return torch.frombuffer(memoryview(self.mm), dtype=dtype, count=numel)
 
-    def unmap(self, collect: bool = False) -> bool:
-        """Unmap, keeping the file open (it was unlinked at set-up) so that `remap` can undo this. False when
-        a tensor made by frombuffer, or a view of one, still points into the mapping: it stays mapped until
-        the GC frees that tensor. `collect`: run the GC first if so (a reference cycle, a traceback's frames
-        say, may be all that holds the view)."""
-        for attempt in range(2 if collect else 1):
-            if attempt:
-                gc.collect()
-            try:
-                self.mm.close()
-                return True
-            except BufferError:
-                pass
-        return False
-
-    def remap(self) -> None:
-        self.mm = mmap.mmap(self.fd, self.nbytes)
-
     def close(self) -> None:
-        """Unmap if nothing views the mapping (else it stays mapped until the GC frees the view) and close the
-        file, which is gone with its last mapping."""
-        self.unmap()
+        """Unmap and close the file, which is gone with its last mapping. A tensor made by frombuffer, or a
+        view of one, that still points into the mapping keeps it (its memoryview holds the mmap): Python
+        unmaps it when the last such tensor is freed."""
+        with contextlib.suppress(BufferError):
+            self.mm.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def remove_files_of(pids: Iterable[int]) -> int:
+    """Unlink the /dev/shm files of ODC's shared-memory regions that processes `pids` created and left
+    behind (a launcher calls this once it has killed them; the files of live processes must stay, their
+    peers may still be opening them). Returns how many it removed."""
+    pids = {int(p) for p in pids}
+    return _remove_files(lambda creator: creator in pids)
+
+
+def _remove_files(left_behind: Callable[[int], bool], older_than_s: float = 0.0) -> int:
+    removed, cutoff = 0, time.time() - older_than_s
+    for entry in os.scandir(_SHM_DIR):
+        match = _FILE.fullmatch(entry.name)
+        if match and left_behind(int(match["creator"])) and _modified_before(entry, cutoff):
+            # gone: a peer removed it at the same time; refused: another user's (/dev/shm is sticky)
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+# A file a dead creator left is removed by a new transport only once it is this old: a live job in another
+# pid namespace that shares /dev/shm (where its creators' pids look dead) holds its files only while a
+# region is set up, well under an hour.
+_STALE_S = 3600.0
+
+
+def _modified_before(entry: os.DirEntry, cutoff: float) -> bool:
+    try:
+        return entry.stat().st_mtime <= cutoff
+    except FileNotFoundError:
+        return False
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 class ShmTransport(Transport):
     def __init__(self, group: dist.ProcessGroup | None = None):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
-        token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        # Files a killed job left (see the module); before any rank of this one creates its own.
+        _remove_files(_dead, older_than_s=_STALE_S)
+        # Rank 0's token names this transport's files; every rank's pid, the files it creates.
+        ids: list = [None] * self.world_size
+        dist.all_gather_object(ids, (uuid.uuid4().hex[:12], os.getpid()), group=group)
+        self._pids = [pid for _, pid in ids]
         # Where this transport's files live in /dev/shm, and only while a region is being set up.
-        self.path_prefix = os.path.join(_SHM_DIR, f"odc-{token[0]}")
+        self.path_prefix = os.path.join(_SHM_DIR, f"odc-{ids[0][0]}")
         self._mappings: dict[str, list[_Mapping]] = {}
         self._peer_tensors: dict[str, list[torch.Tensor]] = {}
         # Record locks belong to the process, not the thread: threads of one rank exclude each other here.
@@ -95,10 +135,9 @@ class ShmTransport(Transport):
         self._alloc_failure_notices()
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        if name in self._mappings:
-            raise ValueError(f"region '{name}' is already allocated")
-        nbytes = max(numel * dtype.itemsize, 1)
-        paths = [f"{self.path_prefix}-{name}-r{r}" for r in range(self.world_size)]
+        self._check_alloc(name, numel, dtype, self._mappings)
+        nbytes = numel * dtype.itemsize
+        paths = [f"{self.path_prefix}-{name}-r{r}-p{pid}" for r, pid in enumerate(self._pids)]
         mappings: list[_Mapping] = []
         try:
             mappings.append(_Mapping(paths[self.rank], nbytes, create=True))
@@ -129,38 +168,25 @@ class ShmTransport(Transport):
     def free(self, name: str) -> None:
         # Local: a peer still mapping its own copy of this rank's file keeps only its own mapping alive, and
         # every file was unlinked at set-up, so nothing is left to meet about.
-        mappings, own = self._mappings[name], self._peer_tensors.pop(name)[self.rank]
-        dtype, numel = own.dtype, own.numel()
-        del own
-        unmapped = [m.unmap(collect=True) for m in mappings]
-        if not all(unmapped):
-            # Refused: the region stays as it was, its contents too (the open files hold them).
-            for m, done in zip(mappings, unmapped):
-                if done:
-                    m.remap()
-            self._peer_tensors[name] = [m.tensor(dtype, numel) for m in mappings]
-            raise RuntimeError(
-                f"rank {self.rank}: shared-memory region '{name}' cannot be freed: a tensor still views "
-                f"{unmapped.count(False)} of its mappings; drop every view of a region before freeing it"
-            )
-        del self._mappings[name]
-        for m in mappings:
+        self._check_free(name, self._mappings)
+        del self._peer_tensors[name]
+        for m in self._mappings.pop(name):
             m.close()
 
     def region_bytes(self, region: Region) -> int:
+        self._check_open()
         return self._mappings[region.name][self.rank].nbytes
 
     def mapped_bytes(self) -> int:
+        self._check_open()
         return sum(m.nbytes for maps in self._mappings.values() for r, m in enumerate(maps) if r != self.rank)
 
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
-        n = out.numel()
-        self._check_range(region, peer, offset, n)
+        n = self._check_transfer(region, peer, offset, out, "out")
         out.view(-1).copy_(self._peer_tensors[region.name][peer][offset : offset + n])
 
     def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
-        n = src.numel()
-        self._check_range(region, peer, offset, n)
+        n = self._check_transfer(region, peer, offset, src, "src")
         itemsize = region.dtype.itemsize
         dst = self._peer_tensors[region.name][peer][offset : offset + n]
         with self._locked(self._mappings[region.name][peer].fd, offset * itemsize, n * itemsize):
@@ -187,6 +213,7 @@ class ShmTransport(Transport):
         futex.wake(bell.data_ptr())
 
     def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
+        self._check_wait(timeout_s)
         deadline = time.monotonic() + timeout_s
         bells = self._peer_tensors["odc.doorbell"]
         while True:
@@ -210,6 +237,7 @@ class ShmTransport(Transport):
         # or fail) happen under one lock, so a late arrival is either seen by the rank that would give up,
         # or sees that it gave up. Accumulates finished under their own lock before the arrival;
         # unlocking is a system call, so the adds are in memory before any peer can see the epoch.
+        self._check_wait(timeout_s)
         epoch, words = self._next_epoch(), [t[0] for t in self._peer_tensors["odc.barrier"]]
         decision_lock = (self._mappings["odc.barrier"][0].fd, 0, 8)
         with self._locked(*decision_lock):
@@ -239,6 +267,7 @@ class ShmTransport(Transport):
             )
 
     def close(self) -> None:
+        self._closed = True
         self._peer_tensors.clear()
         for mappings in self._mappings.values():
             for m in mappings:

@@ -44,7 +44,6 @@ import contextlib
 import functools
 import hashlib
 import itertools
-import math
 import time
 from dataclasses import dataclass
 
@@ -54,7 +53,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..comm import ODCError, ODCPeerFailedError, ODCTimeoutError, Transport
-from ..comm.base import FailureNotice, first_failure
+from ..comm.base import FailureNotice, first_failure, is_positive_finite
 from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
 from ._fsdp_internals import AllGather, ReduceScatter
@@ -92,15 +91,11 @@ class ODCConfig:
         for name in ("lockstep", "trains"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ODCConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if not _positive_number(self.barrier_timeout_s):
+        if not is_positive_finite(self.barrier_timeout_s):
             raise ValueError(f"ODCConfig.barrier_timeout_s must be a finite number > 0, got {self.barrier_timeout_s!r}")
-        if self.gradient_divide_factor is not None and not _positive_number(self.gradient_divide_factor):
+        if self.gradient_divide_factor is not None and not is_positive_finite(self.gradient_divide_factor):
             factor = self.gradient_divide_factor
             raise ValueError(f"ODCConfig.gradient_divide_factor must be a finite number > 0 or None, got {factor!r}")
-
-
-def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 @dataclass

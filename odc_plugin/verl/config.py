@@ -6,6 +6,7 @@ from typing import Any, Literal, get_args, get_origin
 from verl.workers.config.engine import EngineConfig, FSDPEngineConfig
 
 from ..comm import TransportName
+from ..comm.base import is_positive_finite
 
 # No `from __future__ import annotations` here: __post_init__ reads the Literal choices off the fields'
 # annotations, which must be the types themselves.
@@ -65,8 +66,8 @@ class ODCEngineConfig(FSDPEngineConfig):
                 f"odc_lockstep=True runs every rank through the same micro-batch steps, as FSDP does: it needs "
                 f"odc_balancer=lb_micro, got {self.odc_balancer!r}"
             )
-        if not self.odc_barrier_timeout_s > 0:
-            raise ValueError(f"odc_barrier_timeout_s must be > 0, got {self.odc_barrier_timeout_s}")
+        if not is_positive_finite(self.odc_barrier_timeout_s):
+            raise ValueError(f"odc_barrier_timeout_s must be a finite number > 0, got {self.odc_barrier_timeout_s!r}")
         if min(self.odc_cost_fit_a, self.odc_cost_fit_b) < 0 or self.odc_cost_fit_a == self.odc_cost_fit_b == 0:
             raise ValueError(
                 f"odc_cost_fit_a and odc_cost_fit_b must be >= 0 and not both 0, got "

@@ -83,32 +83,138 @@ def failure_rounds(rank, world_size):
     return seen
 
 
-def free_refused_while_viewed(rank, world_size):
-    """free() of a region whose `local` is still held is refused and changes nothing; once dropped, it frees."""
+def _error(call) -> str:
+    """What `call()` raised, as "Type: message" ("" if nothing)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test compares the type and message
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def misuse_changes_nothing(rank, world_size):
+    """Every refused call of alloc, free, barrier, recover, wait_at_least, get and accumulate; then the
+    same names, barriers and regions work as if the refused calls never happened."""
+    t = make_transport("shm")
+    out = {}
+    out["alloc"] = [
+        _error(lambda a=args: t.alloc(*a))
+        for args in (
+            ("r", 0, torch.float32),
+            ("r", -1, torch.float32),
+            ("r", True, torch.float32),
+            ("r", 2.0, torch.float32),
+            ("r", 4, "float32"),
+            ("", 4, torch.float32),
+            ("a/b", 4, torch.float32),
+            ("a\0b", 4, torch.float32),
+            ("odc.barrier", 4, torch.float32),
+        )
+    ]
+    region = t.alloc("r", 4, torch.float32)  # the name the refused calls used is free
+    out["again"] = _error(lambda: t.alloc("r", 4, torch.float32))
+    out["free"] = [_error(lambda n=n: t.free(n)) for n in ("nope", "odc.failure")]
+    # Rank 1 misuses every wait first; if a refused barrier had arrived, rank 0 would pass barrier #1 alone
+    # and the ranks' epochs would differ from then on (the next barrier times out).
+    if rank == 1:
+        out["waits"] = [
+            _error(lambda v=v: t.barrier(v)) for v in (None, float("nan"), float("inf"), 0, -1.0, True, "5")
+        ] + [_error(lambda: t.recover(float("nan"))), _error(lambda: t.wait_at_least(region, 0, 0, 1, None, "x"))]
+    region.local.copy_(torch.arange(4.0) + 10 * rank)
+    t.barrier(30)
+    peer = (rank + 1) % world_size
+    out["transfers"] = [
+        _error(lambda: t.get(region, peer, 0, torch.empty(4, dtype=torch.int64))),
+        _error(lambda: t.accumulate(region, peer, 0, torch.ones(4, dtype=torch.float64))),
+        _error(lambda: t.get(region, peer, 0, [0.0] * 4)),
+        _error(lambda: t.accumulate(region, peer, 0, torch.ones(4, device="meta"))),
+    ]
+    t.accumulate(region, peer, 0, torch.ones(4, dtype=torch.bfloat16))  # bf16 into fp32: exact, taken
+    t.barrier(5)
+    out["epoch"] = t._epoch
+    out["local"] = region.local.tolist()
+    t.close()
+    return out
+
+
+def closed_refuses_every_call(rank, world_size):
+    """Each call after close(), by name, and what it raised; close() again raises nothing."""
+    t = make_transport("shm")
+    region = t.alloc("r", 4, torch.float32)
+    t.close()
+    calls = {
+        "alloc": lambda: t.alloc("x", 4, torch.float32),
+        "free": lambda: t.free("r"),
+        "get": lambda: t.get(region, 0, 0, torch.empty(4)),
+        "accumulate": lambda: t.accumulate(region, 0, 0, torch.ones(4)),
+        "barrier": lambda: t.barrier(1),
+        "recover": lambda: t.recover(1),
+        "wait_at_least": lambda: t.wait_at_least(region, 0, 0, 1, 1, "x"),
+        "wait_until": lambda: t.wait_until(lambda: None, 1, lambda: ""),
+        "signal": lambda: t.signal(region, 0, 1),
+        "synchronize": t.synchronize,
+        "announce_failure": lambda: t.announce_failure("x"),
+        "failures": t.failures,
+        "raise_if_a_peer_failed": t.raise_if_a_peer_failed,
+        "region_bytes": lambda: t.region_bytes(region),
+        "mapped_bytes": t.mapped_bytes,
+        "control_bytes": t.control_bytes,
+        "staging_bytes": t.staging_bytes,
+        "close": t.close,
+    }
+    return {name: _error(call) for name, call in calls.items()}
+
+
+def _mapping_of(address: int) -> str | None:
+    """The /proc/self/maps line of the mapping that holds `address`, if any."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return line.strip()
+    return None
+
+
+def free_while_viewed(rank, world_size):
+    """free() of a region whose `local` is still held: the region is gone from the transport at once and
+    its name free, the held view still reads its values, and the memory is unmapped once the view goes."""
     t = make_transport("shm")
     region = t.alloc("r", 8, torch.float32)
     region.local.fill_(rank + 1)
     mapped = t.mapped_bytes()
     t.barrier(30)
-    try:
-        t.free("r")
-        refused = ""
-    except RuntimeError as e:
-        refused = str(e)
-    t.accumulate(region, (rank + 1) % world_size, 0, torch.full((8,), 10.0))
-    t.barrier(30)
-    pulled = []
-    for peer in range(world_size):
-        out = torch.empty(8)
-        t.get(region, peer, 0, out)
-        pulled.append(out)
-    after_refusal = t.mapped_bytes()
-    t.barrier(30)
-    del region
+    held = region.local
     t.free("r")
-    freed = t.mapped_bytes()
-    again = t.alloc("r", 4, torch.float32)  # the name is free again
-    out = {"refused": refused, "pulled": pulled, "mapped": (mapped, after_refusal, freed), "again": again.local.sum()}
+    out = {"mapped": (mapped, t.mapped_bytes()), "held": held.tolist()}
+    again = t.alloc("r", 4, torch.float32)
+    t.accumulate(again, (rank + 1) % world_size, 0, torch.full((4,), 10.0))
+    t.barrier(30)
+    out["again"] = again.local.tolist()
+    out["held after"] = held.tolist()  # the new region is other memory
+    mapping = _mapping_of(held.data_ptr())
+    out["path"] = mapping.split()[-2 if mapping.endswith("(deleted)") else -1]
+    del held, region
+    out["still mapped"] = mapping in open("/proc/self/maps").read()
     del again
     t.close()
     return out
+
+
+def dies_in_alloc(rank, world_size, report):
+    """Rank 0 creates its file of a region and waits inside alloc for rank 1, which never comes; the
+    launcher's time limit kills both. `report`: a file rank 0 writes its file's name prefix to first."""
+    import time
+
+    t = make_transport("shm")
+    if rank == 0:
+        with open(report, "w") as f:
+            f.write(t.path_prefix)
+        t.alloc("big", 1 << 16, torch.float32)
+    time.sleep(600)
+
+
+def transport_prefix(rank, world_size):
+    t = make_transport("shm")
+    prefix = t.path_prefix
+    t.close()
+    return prefix

@@ -80,16 +80,105 @@ def test_a_barrier_counts_a_peer_only_within_its_round():
     ]
 
 
-def test_freeing_a_region_still_viewed_is_refused_and_changes_nothing():
+def test_freeing_a_region_still_viewed_drops_it_and_unmaps_it_with_the_last_view():
     world = 2
-    results = run_ranks(shm_workers.free_refused_while_viewed, world)
+    results = run_ranks(shm_workers.free_while_viewed, world)
     for rank, res in enumerate(results):
-        assert res["refused"] == (
-            f"rank {rank}: shared-memory region 'r' cannot be freed: a tensor still views 1 of its mappings; "
-            "drop every view of a region before freeing it"
-        )
-        # the region kept its contents and every rank's mapping: the refused free's peers still add and read
-        assert [p.tolist() for p in res["pulled"]] == [[peer + 1 + 10.0] * 8 for peer in range(world)], rank
-        mapped, after_refusal, freed = res["mapped"]
-        assert after_refusal == mapped and freed == mapped - (world - 1) * 32, rank
-        assert res["again"] == 0, rank
+        mapped, after_free = res["mapped"]
+        assert after_free == mapped - (world - 1) * 32, rank  # gone from the transport at once
+        assert res["held"] == res["held after"] == [rank + 1.0] * 8, rank  # the view reads what it read
+        assert res["again"] == [10.0] * 4, rank  # the name is a new region, which peers reach
+        assert f"-r-r{rank}-p" in res["path"], res["path"]  # the view was this rank's shm file ...
+        assert not res["still mapped"], rank  # ... unmapped once the view went, with no GC pass
+
+
+def test_misuse_is_refused_up_front_and_changes_nothing():
+    results = run_ranks(shm_workers.misuse_changes_nothing, 2)
+    for rank, res in enumerate(results):
+        assert res["alloc"] == [
+            "ValueError: numel of region 'r' must be >= 1, got 0",
+            "ValueError: numel of region 'r' must be >= 1, got -1",
+            "TypeError: numel of region 'r' must be an int, got True",
+            "TypeError: numel of region 'r' must be an int, got 2.0",
+            "TypeError: dtype of region 'r' must be a torch.dtype, got 'float32'",
+            "ValueError: region name must be a non-empty str without '/' or NUL, got ''",
+            "ValueError: region name must be a non-empty str without '/' or NUL, got 'a/b'",
+            "ValueError: region name must be a non-empty str without '/' or NUL, got 'a\\x00b'",
+            "ValueError: region name 'odc.barrier' is the transport's own control words; choose another name",
+        ]
+        assert res["again"] == "ValueError: region 'r' is already allocated; free('r') it first or choose another name"
+        assert res["free"] == [
+            "ValueError: no region 'nope' to free: it was never allocated or is already freed",
+            "ValueError: region 'odc.failure' is the transport's own control words; close() releases them",
+        ]
+        assert res["transfers"] == [
+            "TypeError: out is torch.int64 but region 'r' is torch.float32; convert it to torch.float32 "
+            "(no transport casts silently)",
+            "TypeError: src is torch.float64 but region 'r' is torch.float32; convert it to torch.float32 "
+            "(no transport casts silently)",
+            "TypeError: out must be a torch.Tensor, got list",
+            "ValueError: src is on meta but region 'r' is on cpu",
+        ]
+        # both ranks met at the same two barriers: none of rank 1's refused waits counted as an arrival
+        assert res["epoch"] == 2, res["epoch"]
+        # only the bf16 add landed, once
+        assert res["local"] == [1.0 + k + 10 * rank for k in range(4)], res["local"]
+    assert results[1]["waits"] == [
+        "TypeError: timeout_s must be a number of seconds, got None",
+        "ValueError: timeout_s must be a finite number of seconds > 0, got nan",
+        "ValueError: timeout_s must be a finite number of seconds > 0, got inf",
+        "ValueError: timeout_s must be a finite number of seconds > 0, got 0",
+        "ValueError: timeout_s must be a finite number of seconds > 0, got -1.0",
+        "TypeError: timeout_s must be a number of seconds, got True",
+        "TypeError: timeout_s must be a number of seconds, got '5'",
+        "ValueError: timeout_s must be a finite number of seconds > 0, got nan",
+        "TypeError: timeout_s must be a number of seconds, got None",
+    ]
+
+
+def test_every_call_after_close_is_refused_and_close_is_idempotent():
+    (errors,) = run_ranks(shm_workers.closed_refuses_every_call, 1)
+    closed = "RuntimeError: rank 0: the ODC transport is closed; make a new one to use it again"
+    assert errors.pop("close") == ""
+    assert errors == dict.fromkeys(errors, closed)
+
+
+def test_a_rank_killed_inside_alloc_leaves_no_shm_file(tmp_path):
+    import glob
+
+    import pytest
+
+    from odc_plugin.launch import RankFailed
+
+    report = str(tmp_path / "prefix")
+    with pytest.raises(RankFailed, match="time limit"):
+        run_ranks(shm_workers.dies_in_alloc, 2, report, timeout_s=5)
+    with open(report) as f:
+        prefix = f.read()
+    assert glob.glob(f"{prefix}*") == []  # run_ranks removed what its killed ranks left (remove_files_of)
+
+
+def test_a_new_transport_removes_the_files_of_dead_creators():
+    import os
+    import subprocess
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"/dev/shm/odc-0123456789ab-odc.params-r3-p{dead.pid}"
+    live = f"/dev/shm/odc-0123456789ab-odc.params-r2-p{os.getpid()}"  # a rank still setting it up
+    fresh = f"/dev/shm/odc-0123456789ab-odc.params-r1-p{dead.pid}"  # maybe a live job's in another pid namespace
+    for path in (stale, live, fresh):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    hours_ago = time.time() - 2 * 3600
+    for path in (stale, live):
+        os.utime(path, (hours_ago, hours_ago))
+    try:
+        run_ranks(shm_workers.transport_prefix, 1)
+        assert not os.path.exists(stale)
+        assert os.path.exists(live) and os.path.exists(fresh)
+    finally:
+        for path in (stale, live, fresh):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -18,8 +18,9 @@ from .workers import TRANSPORT, count_targets, full_grads, minibatch_backward, o
 # The transport's own regions (odc_plugin/comm/shm.py): a doorbell, an arrival word, the failure notices; what
 # a released model still maps
 CONTROL_REGIONS = frozenset({"odc.doorbell", "odc.barrier", "odc.failure"})
-# The name every rank's file of an shm region has (odc_plugin/comm/shm.py): /dev/shm/odc-<token>-<region>-r<rank>
-_SHM_FILE = re.compile(r"/dev/shm/odc-(?P<token>[0-9a-f]{12})-(?P<region>.+)-r(?P<owner>\d+)(?: \(deleted\))?$")
+# The name every rank's file of an shm region has (odc_plugin/comm/shm.py):
+# /dev/shm/odc-<token>-<region>-r<rank>-p<pid of its creator>
+_SHM_FILE = re.compile(r"/dev/shm/odc-(?P<token>[0-9a-f]{12})-(?P<region>.+)-r(?P<owner>\d+)-p\d+(?: \(deleted\))?$")
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ def _exit_once_created(region: str, code: int = 17) -> None:
 
     def creating(self, path, nbytes, create):
         init(self, path, nbytes, create)
-        if create and path.rsplit("-", 2)[-2] == region:
+        if create and path.rsplit("-", 3)[-3] == region:  # .../odc-<token>-<region>-r<rank>-p<pid>
             os._exit(code)
 
     shm._Mapping.__init__ = creating
