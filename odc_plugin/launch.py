@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing import reduction
+from multiprocessing.connection import wait as wait_for_exits
 from typing import Any
 
 import torch
@@ -96,6 +97,10 @@ def _write_where_the_launcher_writes(stdout: int, stderr: int) -> None:
         os.close(mine)
 
 
+def _result_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.pt")
+
+
 def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, backend, launcher, stdio):
     _die_with_launcher(launcher)
     _write_where_the_launcher_writes(*stdio)
@@ -114,7 +119,7 @@ def _rank_main(fn, rank, world_size, port, out_dir, args, pg_timeout_s, setup, b
         TOKENIZERS_PARALLELISM="false",
     )
     torch.set_num_threads(1)
-    path = os.path.join(out_dir, f"rank{rank}.pt")
+    path = _result_path(out_dir, rank)
     try:
         if setup is not None:
             setup()
@@ -200,16 +205,22 @@ def run_ranks(
         failed_at: dict[int, float] = {}  # when each failed rank was first seen to have exited non-zero
         killed: dict[int, str] = {}  # the ranks the launcher ended, and why
         try:
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            while (running := [p.sentinel for p in procs if p.exitcode is None]) and time.monotonic() < deadline:
+                wait_for_exits(running, timeout=deadline - time.monotonic())  # returns as soon as one exits
+                now = time.monotonic()
                 for r, p in enumerate(procs):
                     if p.exitcode not in (None, 0) and r not in failed_at:
-                        failed_at[r] = time.monotonic()
+                        failed_at[r] = now
                         # One rank failed: the rest get a grace period to fail on their own (a barrier
                         # timeout, say) so their errors are reported too.
-                        deadline = min(deadline, failed_at[r] + failure_grace_s)
-                time.sleep(0.05)
+                        deadline = min(deadline, now + failure_grace_s)
         finally:
-            first = min(failed_at, key=failed_at.get, default=None)
+            # Ranks seen to fail at the same moment: one that died without writing its error (a signal, an
+            # exit) is the likelier cause of the others' failures, which they had time to write.
+            def failure_order(r: int) -> tuple:
+                return failed_at.get(r, float("inf")), r in killed, os.path.exists(_result_path(out_dir, r)), r
+
+            first = min(failed_at, key=failure_order, default=None)
             for r, p in enumerate(procs):
                 if p.is_alive():
                     p.kill()
@@ -223,7 +234,7 @@ def run_ranks(
             remove_files_of(p.pid for p in procs)
         results = []
         for r, p in enumerate(procs):
-            path = os.path.join(out_dir, f"rank{r}.pt")
+            path = _result_path(out_dir, r)
             if not os.path.exists(path):
                 code = p.exitcode
                 died = f"died of {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
@@ -232,10 +243,7 @@ def run_ranks(
             else:
                 results.append(torch.load(path, weights_only=False))
         # The first rank to fail first, the ones the launcher killed last.
-        failed = sorted(
-            (r for r, res in enumerate(results) if not res["ok"]),
-            key=lambda r: (failed_at.get(r, float("inf")), r in killed, r),
-        )
+        failed = sorted((r for r, res in enumerate(results) if not res["ok"]), key=failure_order)
         if failed:
             r, res = failed[0], results[failed[0]]
             others = ", ".join(f"rank {q}: {results[q]['error']}" for q in failed[1:])

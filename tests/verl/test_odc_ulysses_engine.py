@@ -14,6 +14,7 @@ with an error naming it; a group killed mid-mini-batch fails every other rank, n
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -180,7 +181,7 @@ def test_ulysses_group_killed_mid_minibatch_fails_every_rank_naming_it(model_dir
         H.run_on_ranks(_group_dies, WORLD, model_dir, plugin_modules=H.PLUGIN)
     message = str(info.value)
     for rank in (2, 3):
-        assert f"rank {rank}: exited with code 17" in message, message
+        assert re.search(rf"rank {rank}( failed)?: exited with code 17", message), message
     for rank in (0, 1):
         assert f"rank {rank}: ODC barrier #1 timed out after 10s; rank(s) [2, 3] did not arrive" in message, message
     assert time.monotonic() - start < 240
