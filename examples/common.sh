@@ -41,6 +41,20 @@ ODC_TRANSPORT=${ODC_TRANSPORT:-auto}
 ODC_BALANCER=${ODC_BALANCER:-lb_mini}
 PYTHON=${PYTHON:-python3}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# Settings checked before anything runs: a bad one would otherwise fail only after the first run.
+for setting in STEPS NGPUS NNODES; do
+    if ! [[ ${!setting} =~ ^[0-9]+$ ]] || (( 10#${!setting} < 1 )); then
+        echo "$setting must be an integer >= 1; got '${!setting}'" >&2
+        exit 2
+    fi
+done
+for strategy in $STRATEGY; do
+    if [[ $strategy != fsdp2 && $strategy != odc ]]; then
+        echo "STRATEGY must be fsdp2, odc or \"fsdp2 odc\"; got '$STRATEGY'" >&2
+        exit 2
+    fi
+done
 RUN_DIR=$OUT_DIR/$EXP
 if [[ -z ${TRAIN_FILES+set} ]]; then TRAIN_FILES=("$DATA_DIR/train.parquet"); fi
 if [[ -z ${VAL_FILES+set} ]]; then VAL_FILES=("$DATA_DIR/test.parquet"); fi
@@ -132,9 +146,6 @@ strategy_args() {
             if [[ -n ${ODC_COST_MODEL:-} ]]; then
                 STRATEGY_ARGS+=("actor_rollout_ref.actor.fsdp_config.odc_cost_model=$ODC_COST_MODEL")
             fi ;;
-        *)
-            echo "STRATEGY must be fsdp2, odc or \"fsdp2 odc\"; got '$1'" >&2
-            exit 2 ;;
     esac
 }
 
@@ -176,6 +187,15 @@ plan() {
         args+=(--model "$PLAN_MODEL")
     fi
     echo "# odc-plan ${args[*]}"
+    local override batching=()
+    for override in "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}" "${USER_ARGS[@]+"${USER_ARGS[@]}"}"; do
+        if [[ $override =~ (use_dynamic_bsz|micro_batch_size|max_token_len|mini_batch_size|train_batch_size|rollout\.n|max_prompt_length|max_response_length|n_gpus_per_node|nnodes)= ]]; then
+            batching+=("$override")
+        fi
+    done
+    if (( ${#batching[@]} )); then
+        echo "# note: the plan assumes the script's own batching, not these overrides: ${batching[*]}"
+    fi
     "$PYTHON" -m odc_plugin.balance.planner "${args[@]}"
 }
 

@@ -18,6 +18,8 @@ trainer, patches/cpu_layer_time.py) both emulate through this module.
 
 from __future__ import annotations
 
+import argparse
+import math
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -53,8 +55,8 @@ class EmulationFit:
             raise ValueError(
                 f"cost calibration {path!r}: model {calibration.model!r} is not a preset, so its layer count is unknown"
             )
-        if not time_scale > 0:
-            raise ValueError(f"--time-scale must be > 0, got {time_scale}")
+        if not (math.isfinite(time_scale) and time_scale > 0):
+            raise ValueError(f"--time-scale must be a finite number > 0, got {time_scale}")
         scale = layers * time_scale
         return cls(
             FitCost(calibration.a * scale, calibration.b * scale),
@@ -83,6 +85,19 @@ def auto_time_scale(
     return share_s / share
 
 
+def time_scale_arg(text: str) -> float | str:
+    """argparse type of --time-scale: 'auto' or a finite number > 0."""
+    if text == "auto":
+        return text
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 or 'auto', got {text!r}")
+    return scale
+
+
 def parse_slow_ranks(spec: str | None, ranks: int) -> dict[int, float]:
     """'R:F[,R:F]' -> {rank: factor}: rank R's layers take F times as long."""
     if not spec:
@@ -98,8 +113,8 @@ def parse_slow_ranks(spec: str | None, ranks: int) -> dict[int, float]:
             raise ValueError(f"--slow-ranks: {item.strip()!r} is not RANK:FACTOR (e.g. 3:1.5)") from None
         if not 0 <= r < ranks:
             raise ValueError(f"--slow-ranks: rank {r} is out of range for {ranks} ranks")
-        if not f > 0:
-            raise ValueError(f"--slow-ranks: factor of rank {r} must be > 0, got {factor}")
+        if not (math.isfinite(f) and f > 0):
+            raise ValueError(f"--slow-ranks: factor of rank {r} must be a finite number > 0, got {factor}")
         if r in out:
             raise ValueError(f"--slow-ranks: rank {r} is given twice")
         out[r] = f

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from ..layer_time import time_scale_arg
 from ..models import MODEL_SIZES
-from .config import COSTS, SAMPLES_PER_RANK, WORKLOADS, DemoConfig
+from .config import COSTS, DEFAULT_RANKS, SAMPLES_PER_RANK, WORKLOADS, DemoConfig
 from .run import run_demo
 from .sweep import case_config, run_sweep
 
 SINGLE_STEPS, SWEEP_STEPS = 8, 6
-
-
-def _time_scale(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +22,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Four A/B rows of real FSDP2 and ODC training on CPU "
         "processes, and what each step between them buys.",
     )
-    p.add_argument("--ranks", type=int, default=max(2, os.cpu_count() or 2))
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=DEFAULT_RANKS,
+        help=f"CPU rank processes (default {DEFAULT_RANKS}: this machine's cores, at least 2)",
+    )
     p.add_argument(
         "--steps",
         type=int,
@@ -60,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--time-scale",
-        type=_time_scale,
+        type=time_scale_arg,
         help="emulated seconds = the fit's seconds times X (default 'auto': a rank's fair share of a "
         "mini-batch takes about 5 s, which keeps the rehearsal's own overhead small)",
     )
@@ -98,11 +94,13 @@ def main(argv=None) -> None:
     sweep = args.sweep_ranks is not None
     if sweep and not args.emulate:
         p.error("--sweep-ranks runs many ranks on this machine's cores: it needs --emulate FIT.json")
+    if sweep and min(args.sweep_ranks) < 1:
+        p.error(f"--sweep-ranks: every rank count must be >= 1, got {min(args.sweep_ranks)}")
     workloads = [args.workload] if args.workload or not sweep else list(WORKLOADS)
     try:
         base = DemoConfig(
             ranks=max(args.sweep_ranks) if sweep else args.ranks,
-            steps=args.steps or (SWEEP_STEPS if sweep else SINGLE_STEPS),
+            steps=(SWEEP_STEPS if sweep else SINGLE_STEPS) if args.steps is None else args.steps,
             model_size=args.model_size,
             workload=workloads[0] or "rl",
             lengths=args.lengths,

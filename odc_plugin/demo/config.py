@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
+from ..balance import load_lengths
 from ..layer_time import EmulationFit, parse_slow_ranks
 from ..models import MODEL_SIZES
 
@@ -15,11 +17,13 @@ EMULATED_STAND_IN = 64
 # Samples per rank in the default mini-batch: several, as verl jobs have; with one or fewer per rank
 # nothing can be balanced and every row runs the longest sample.
 SAMPLES_PER_RANK = 8
+# One rank per core, at least two (a single rank has no one to communicate with).
+DEFAULT_RANKS = max(2, os.cpu_count() or 2)
 
 
 @dataclass
 class DemoConfig:
-    ranks: int = max(2, os.cpu_count() or 2)
+    ranks: int = DEFAULT_RANKS
     steps: int = 8
     # None: "small", or "stand-in" with emulation (a model whose own compute costs next to nothing)
     model_size: str | None = None
@@ -68,8 +72,24 @@ class DemoConfig:
             self.mini_batch_size = per_rank * self.ranks
         if self.mini_batch_size < 1:
             raise ValueError(f"--mini-batch-size must be >= 1, got {self.mini_batch_size}")
-        if self.lengths is not None and not os.path.exists(self.lengths):
-            raise ValueError(f"--lengths file not found: {self.lengths}")
+        for flag, value in (
+            ("--max-prompt-length", self.max_prompt_length),
+            ("--max-response-length", self.max_response_length),
+            ("--max-token-len", self.max_token_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.lengths is not None:
+            try:
+                load_lengths(self.lengths)  # a bad file fails here, before any rank starts
+            except (ValueError, OSError) as e:
+                where = "" if self.lengths in str(e) else f"{self.lengths}: "
+                raise ValueError(
+                    f"--lengths: {where}{e} (give a JSON list, a text file of one integer per line, "
+                    "or file.parquet:column)"
+                ) from None
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise ValueError(f"--out-dir {self.out_dir} is a file: name a directory (created if missing)")
         if self.workload == "rl" and self.max_prompt_length + self.max_response_length > self.max_token_len:
             raise ValueError(
                 f"--max-token-len {self.max_token_len} is below the longest possible sample "
@@ -77,8 +97,10 @@ class DemoConfig:
             )
         if self.time_scale is None:
             self.time_scale = "auto" if self.emulate else 1.0
-        if self.time_scale != "auto" and not (isinstance(self.time_scale, (int, float)) and self.time_scale > 0):
-            raise ValueError(f"--time-scale must be a number > 0 or 'auto', got {self.time_scale!r}")
+        if self.time_scale != "auto" and not (
+            isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale > 0
+        ):
+            raise ValueError(f"--time-scale must be a finite number > 0 or 'auto', got {self.time_scale!r}")
         if self.time_scale != 1.0 and not self.emulate:
             raise ValueError("--time-scale scales emulated compute: it needs --emulate")
         if self.emulate:

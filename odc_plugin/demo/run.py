@@ -181,7 +181,8 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
                 online.add(_gathered_timings(rank, batch, micro_batches, rec["micro_batch_s"]))
         if rank == 0:
             times = " | ".join(f"{row} {record[row][-1]['step_s']:.2f}s" for row in names)
-            print(f"  mini-batch {step + 1}/{len(batches)}: {times}", flush=True)
+            label = " (EMULATED compute)" if fit is not None else ""
+            print(f"  mini-batch {step + 1}/{len(batches)}{label}: {times}", flush=True)
     return {
         "record": record,
         "max_param_diff": final_param_diff(rows),

@@ -319,6 +319,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=defaults.steps, help=f"a multiple of {defaults.sync_every}")
     p.add_argument("--out", default=defaults.out_dir, help="directory for odc_spes.json and odc_spes.png")
     args = p.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} is a file: name a directory (created if missing)")
     try:
         cfg = SPESDemoConfig(nodes=args.nodes, steps=args.steps, out_dir=args.out)
     except ValueError as e:

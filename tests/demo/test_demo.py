@@ -124,7 +124,7 @@ def test_lengths_file_drives_the_mini_batches(tmp_path):
     [
         (["--ranks", "0"], "--ranks must be >= 1"),
         (["--model-size", "huge"], "invalid choice: 'huge'"),
-        (["--lengths", "/nonexistent"], "--lengths file not found: /nonexistent"),
+        (["--lengths", "/nonexistent"], "--lengths: length file '/nonexistent' not found"),
         (["--max-token-len", "100"], "--max-token-len 100 is below the longest possible sample"),
         (["--workload", "pretrain"], "invalid choice: 'pretrain'"),
         (["--mini-batch-size", "0"], "--mini-batch-size must be >= 1"),

@@ -231,7 +231,7 @@ def test_slow_ranks_spec():
         (["--slow-ranks", "1"], "--slow-ranks: '1' is not RANK:FACTOR (e.g. 3:1.5)"),
         (["--slow-ranks", "1:x"], "--slow-ranks: '1:x' is not RANK:FACTOR"),
         (["--ranks", "2", "--slow-ranks", "2:1.5"], "--slow-ranks: rank 2 is out of range for 2 ranks"),
-        (["--slow-ranks", "0:0"], "--slow-ranks: factor of rank 0 must be > 0, got 0"),
+        (["--slow-ranks", "0:0"], "--slow-ranks: factor of rank 0 must be a finite number > 0, got 0"),
         (["--slow-ranks", "0:2,0:3"], "--slow-ranks: rank 0 is given twice"),
         (["--sweep-ranks", "4"], "--sweep-ranks runs many ranks on this machine's cores: it needs --emulate"),
         (
@@ -239,8 +239,11 @@ def test_slow_ranks_spec():
             "--slow-ranks: rank 3 is out of range for 2 ranks",
         ),
         (["--time-scale", "2"], "--time-scale scales emulated compute: it needs --emulate"),
-        (["--emulate", FIT_FILE, "--time-scale", "fast"], "must be a number or 'auto', got 'fast'"),
-        (["--emulate", FIT_FILE, "--time-scale", "-1"], "--time-scale must be a number > 0 or 'auto', got -1.0"),
+        (["--emulate", FIT_FILE, "--time-scale", "fast"], "must be a finite number > 0 or 'auto', got 'fast'"),
+        (
+            ["--emulate", FIT_FILE, "--time-scale", "-1"],
+            "--time-scale: must be a finite number > 0 or 'auto', got '-1'",
+        ),
     ],
 )
 def test_bad_emulation_options_are_one_line_errors(argv, message, capsys):

@@ -194,8 +194,8 @@ def test_cli_refuses_a_bad_override_before_any_training(tmp_path, capsys):
     assert err[-1].startswith("odc-grpo-cpu: verl rejects the fsdp2 run's configuration:")
     assert "no_such_key" in err[-1]
     assert not list(tmp_path.glob("*.log"))  # nothing was started
-    # valid for fsdp2, refused for odc: still nothing runs
-    assert grpo.main(["--out", str(tmp_path), *ODC_OPTIONS[:1], "critic.fsdp.odc_balancer=lb_nano"]) == 2
+    # an odc engine option goes to the odc run only, which refuses a bad one: still nothing runs
+    assert grpo.main(["--out", str(tmp_path), "actor_rollout_ref.actor.fsdp_config.odc_transport=tcp"]) == 2
     assert not list(tmp_path.glob("*.log"))
 
 

@@ -11,11 +11,13 @@ response is really generated to a length drawn from the rl profile of odc-demo's
 4 responses per rank, and the report gives per FSDP phase the idle fraction and the planner's prediction
 for the plans each run ran (emulation.py).
 
-Each `key=value` goes to both runs as a hydra override (e.g. actor_rollout_ref.actor.use_dynamic_bsz=False);
-both runs' configurations are composed and validated by verl before either starts. Rollouts come from
-the `hf` rollout in deterministic mode, so the two runs see the same responses as long as their weights
-agree. Progress goes to the terminal; each run's full output to DIR/<strategy>.log, its metrics to
-DIR/<strategy>.jsonl (verl's `file` logger), the report to DIR/report.txt.
+Each `key=value` goes to every run as a hydra override (e.g. actor_rollout_ref.actor.use_dynamic_bsz=False),
+except the odc engine's options (README, Options: `actor_rollout_ref.actor.fsdp_config.odc_transport=shm`, ...),
+which go to the runs of strategy odc only, and the keys odc-grpo-cpu sets itself (strategy, steps, logger,
+...), which are refused naming the option to use instead. All runs' configurations are composed and validated
+by verl before any starts. Rollouts come from the `hf` rollout in deterministic mode, so the runs see
+the same responses as long as their weights agree. Progress goes to the terminal; each run's full output
+to DIR/<strategy>.log, its metrics to DIR/<strategy>.jsonl (verl's `file` logger), the report to DIR/report.txt.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -35,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ...layer_time import AUTO_SHARE_S, auto_time_scale, parse_slow_ranks
+from ...layer_time import AUTO_SHARE_S, auto_time_scale, parse_slow_ranks, time_scale_arg
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import MODELS, Assets, ensure_assets
 from .emulation import RL_LENGTHS, Emulation
@@ -53,6 +56,12 @@ def _every_engine(*options: str) -> list[str]:
     return [f"{prefix}.{option}" for option in options for prefix in ENGINE_CONFIGS]
 
 
+def odc_option(override: str) -> bool:
+    """An override of an odc engine option (README, Options): only runs of strategy odc have these keys."""
+    prefix, _, name = override.split("=", 1)[0].lstrip("+").rpartition(".")
+    return prefix in ENGINE_CONFIGS and name.startswith("odc_")
+
+
 # The runs a comparison may make: each one's strategy and its own engine options. fsdp2 and odc are what
 # users run; lockstep is FSDP's per-layer synchronization on ODC's transport and code (the same-transport
 # baseline), odc_lb_micro is ODC on verl's equal split; so run to run each factor of odc-demo's rows.
@@ -62,6 +71,39 @@ RUNS = {
     "odc_lb_micro": ("odc", [*ODC_OPTIONS, *_every_engine("odc_balancer=lb_micro")]),
     "odc": ("odc", []),
 }
+_ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+# Keys odc-grpo-cpu sets itself, per run or because it needs them, and what to use instead of overriding them.
+HARNESS_KEYS = {
+    **{key: "use --compare (each run's strategy is its own)" for key in STRATEGY_KEYS},
+    "model_engine": "use --compare, and give odc engine options as plain keys (the odc runs get the plugin's configs)",
+    "hydra.searchpath": "give odc engine options as plain keys (the odc runs get the plugin's configs)",
+    "trainer.experiment_name": "use --compare (each run is named after itself)",
+    "trainer.total_training_steps": "use --steps",
+    "trainer.total_epochs": "use --steps",
+    "trainer.logger": "leave it out: the report reads each run's metrics from verl's file logger",
+    "trainer.n_gpus_per_node": "use --ranks",
+    "trainer.nnodes": "leave it out: the runs train on this one machine",
+    "trainer.device": "leave it out: the runs train on CPU",
+    "trainer.default_local_dir": "use --out",
+    "hydra.run.dir": "use --out",
+    "ray_kwargs.ray_init._temp_dir": "leave it out: each run's Ray session lives in its own temporary directory",
+    f"{_ENV}.VERL_FILE_LOGGER_PATH": "use --out",
+    f"{_ENV}.{PLATFORM_ENV}": "leave it out: the runs train on CPU",
+    f"{_ENV}.{SLOW_RANKS_ENV}": "use --slow-ranks",
+    f"{_ENV}.{EMULATION_ENV}": "use --emulate",
+    **{key: "use --compare (lockstep, odc_lb_micro)" for key in _every_engine("odc_balancer", "odc_lockstep")},
+}
+
+
+def harness_key_error(overrides: list[str]) -> str | None:
+    """The error for the first override of a key that odc-grpo-cpu sets itself; None if there is none."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in HARNESS_KEYS:
+            return f"odc-grpo-cpu sets {key} itself: {HARNESS_KEYS[key]}"
+    return None
+
+
 STEP_LINE = re.compile(r"\bstep:(\d+) - ")
 # GRPO responses per prompt. Prompt tokens allowed: the data's longest prompt has 69; an emulated run's
 # micro-batch budget just holds the longest sample, as odc-demo's rl case does.
@@ -171,10 +213,14 @@ def settings(assets: Assets, ranks: int, steps: int, out_dir: str, emulation: Em
     ]
 
 
-def strategy_args(run: str) -> list[str]:
-    """What sets a run apart from the others: its strategy and its own engine options."""
+def strategy_args(run: str, overrides: list[str] = ()) -> list[str]:
+    """What sets a run apart from the others: its strategy and its own engine options, and for a run of
+    strategy odc the user's odc engine options among `overrides` (the plugin's configs put on the search
+    path for them); the other runs' engine configs have no such keys."""
     strategy, options = RUNS[run]
-    return [*(f"{key}={strategy}" for key in STRATEGY_KEYS), *options]
+    odc = [o for o in overrides if odc_option(o)] if strategy == "odc" else []
+    path = [o for o in ODC_OPTIONS if o not in options and o not in overrides] if odc else []
+    return [*(f"{key}={strategy}" for key in STRATEGY_KEYS), *options, *path, *odc]
 
 
 def run_args(
@@ -187,19 +233,19 @@ def run_args(
 ) -> list[str]:
     # hydra's own files (config dump, job log) next to the run's, not in the caller's directory
     hydra_dir = os.path.join(os.path.dirname(metrics_file), f"hydra-{run}")
-    env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    env = f"+{_ENV}"
     slow = [f"{env}.{SLOW_RANKS_ENV}='{slow_ranks}'"] if slow_ranks else []
     emulated = [f"{env}.{EMULATION_ENV}={emulation_file}"] if emulation_file else []
     return [
         *shared,
-        *strategy_args(run),
+        *strategy_args(run, overrides),
         f"trainer.experiment_name={run}",
         f"hydra.run.dir={hydra_dir}",
         f"{env}.VERL_FILE_LOGGER_PATH={metrics_file}",
         f"{env}.{PLATFORM_ENV}=cpu",
         *slow,
         *emulated,
-        *overrides,
+        *(o for o in overrides if not odc_option(o)),
     ]
 
 
@@ -415,13 +461,14 @@ def last_error(log_file: str) -> str:
     return (errors or lines or ["(no output)"])[-1]
 
 
-def _time_scale(text: str) -> float | str:
-    if text == "auto":
-        return text
+def _seconds(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 def _runs(text: str) -> list[str]:
@@ -454,7 +501,9 @@ def _parser() -> argparse.ArgumentParser:
         "transport: the same-transport baseline), odc_lb_micro (ODC on verl's equal split) and odc "
         "(ODC with LB-Mini); default fsdp2,odc",
     )
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is killed")
+    parser.add_argument(
+        "--timeout-s", type=_seconds, default=1800.0, help="a run still going after this is killed (default 1800)"
+    )
     parser.add_argument(
         "--model",
         choices=MODELS,
@@ -475,7 +524,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--time-scale",
-        type=_time_scale,
+        type=time_scale_arg,
         help=f"with --emulate: emulated seconds = the fit's seconds times X (default 'auto': a rank's fair share "
         f"of an update's responses takes about {AUTO_SHARE_S:g} s per {AUTO_RANKS} ranks, which keeps the "
         "rehearsal's own overhead, growing with the processes that share the cores, a small part of a step)",
@@ -515,7 +564,7 @@ def emulation_of(args, ranks: int) -> Emulation | None:
     emulation.check()
     if fit is None:
         return emulation
-    scale = args.time_scale or "auto"
+    scale = "auto" if args.time_scale is None else args.time_scale
     if scale == "auto":
         # an update's mini-batch: GROUP_SIZE responses per rank, drawn as the rollout draws them
         draws = [
@@ -529,16 +578,16 @@ def emulation_of(args, ranks: int) -> Emulation | None:
     return dataclasses.replace(emulation, time_scale=scale)
 
 
-def _run_emulation(emulation: Emulation | None, out_dir: str, run: str) -> str | None:
-    """The run's own copy of the emulation (its passes recorded apart from the other runs'), saved; its file."""
+def save_emulation(emulation: Emulation | None, out_dir: str, run: str) -> None:
+    """The run's own copy of the emulation (its passes recorded apart from the other runs'), saved as
+    DIR/<run>.emulation.json."""
     if emulation is None:
-        return None
+        return
     passes = os.path.join(out_dir, f"{run}-passes")
     shutil.rmtree(passes, ignore_errors=True)  # a previous run's records would count as this one's
     os.makedirs(passes)
     path = os.path.join(out_dir, f"{run}.emulation.json")
     dataclasses.replace(emulation, passes_dir=passes if emulation.fit else None).save(path)
-    return path
 
 
 def describe(emulation: Emulation) -> str:
@@ -603,14 +652,21 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         parser.error(f"overrides are key=value, got {bad[0]!r}")
+    harness = harness_key_error(args.overrides)
+    if harness:
+        parser.error(harness)
+    odc = [o for o in args.overrides if odc_option(o)]
+    if odc and all(RUNS[run][0] != "odc" for run in args.compare):
+        parser.error(f"{odc[0]} is an odc engine option, but no run of --compare {','.join(args.compare)} is odc")
+    out_dir = os.path.abspath(args.out)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        parser.error(f"--out {args.out} is a file: name a directory (created if missing)")
     try:
         parse_slow_ranks(args.slow_ranks, args.ranks)
         emulation = emulation_of(args, args.ranks)
     except ValueError as e:
         parser.error(str(e))
 
-    out_dir = os.path.abspath(args.out)
-    os.makedirs(out_dir, exist_ok=True)
     os.environ[PLATFORM_ENV] = "cpu"  # for the configuration checks below, as in the runs
     assets = ensure_assets(model=args.model)
     shared = settings(assets, args.ranks, args.steps, out_dir, emulation)
@@ -621,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides,
             os.path.join(out_dir, f"{run}.jsonl"),
             args.slow_ranks,
-            _run_emulation(emulation, out_dir, run),
+            os.path.join(out_dir, f"{run}.emulation.json") if emulation else None,
         )
         for run in args.compare
     }
@@ -631,6 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigRejected as e:
         print(f"odc-grpo-cpu: {e}", file=sys.stderr)
         return 2
+    # only now, so that a rejected command leaves nothing behind
+    os.makedirs(out_dir, exist_ok=True)
+    for run in args.compare:
+        save_emulation(emulation, out_dir, run)
 
     first = args.compare[0]
     print(f"verl GRPO on CPU, {args.ranks} training ranks, {args.steps} steps per run; output in {out_dir}")
@@ -639,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([sys.executable, "-m", "verl.trainer.main_ppo", *plan[first]])
     print(f"command ({first}):\n  {PLATFORM_ENV}=cpu {command}")
     for run in args.compare[1:]:
-        print(f"the {run} run differs in: {' '.join(strategy_args(run))} (and its experiment name and metrics file)")
+        differs = " ".join(strategy_args(run, args.overrides))
+        print(f"the {run} run differs in: {differs} (and its experiment name and metrics file)")
     results = []
     for run, run_plan in plan.items():
         print(f"run {run}: starting (full log: {os.path.join(out_dir, run + '.log')})")
