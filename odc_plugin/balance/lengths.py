@@ -108,12 +108,15 @@ def load_lengths(spec: str) -> list[int]:
     if column:
         values = _parquet_lengths(path, column)
     elif path.endswith(".json"):
-        values = json.loads(Path(path).read_text())
+        try:
+            values = json.loads(_read_text(path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e}); expected a JSON list of lengths") from None
         if not isinstance(values, list):
             raise ValueError(f"{path}: expected a JSON list of lengths, got {type(values).__name__}")
     else:
         values = []
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        for n, line in enumerate(_read_text(path).splitlines(), 1):
             if line.strip():
                 try:
                     values.append(int(line))
@@ -126,7 +129,21 @@ def load_lengths(spec: str) -> list[int]:
             raise ValueError(f"{spec}: length {i} must be a non-negative integer, got {v!r}")
     if not values:
         raise ValueError(f"{spec}: no lengths")
+    if not any(values):
+        raise ValueError(f"{spec}: every length is 0, nothing to balance; give the file of the real lengths")
     return values
+
+
+def _read_text(path: str) -> str:
+    """A lengths file's text; a parquet file (read only by column) or any other binary file is refused."""
+    with open(path, "rb") as fp:
+        data = fp.read()
+    if data[:4] == b"PAR1":
+        raise ValueError(f"{path} looks like a parquet file; pass {path}:COLUMN, the column of lengths or token ids")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); expected lengths") from None
 
 
 def _split_spec(spec: str) -> tuple[str, str]:
@@ -293,12 +310,23 @@ def read_metrics(path: str) -> dict[int, dict[str, float]]:
                     step, data = int(record["step"]), record["data"]
                 except (ValueError, KeyError, TypeError) as e:
                     raise ValueError(f"{path}:{number}: not a verl file-logger record ({e})") from None
+                if not isinstance(data, dict):
+                    raise ValueError(
+                        f"{path}:{number}: not a verl file-logger record (data is a {type(data).__name__}, "
+                        "not an object of metrics)"
+                    )
                 merged = steps.setdefault(step, {})
                 for key, value in data.items():
                     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                         merged[key] = float(value)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such metrics file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a directory, not a metrics file (verl's file logger, .jsonl)") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}), not a metrics file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the metrics file ({e.strerror})") from None
     return steps
 
 
@@ -438,13 +466,13 @@ def _first_record_keys(path: str) -> set[str]:
     if not path.endswith(".jsonl") or not Path(path).is_file():
         return set()
     with open(path, encoding="utf-8") as fp:
-        for line in fp:
-            if line.strip():
-                try:
+        try:
+            for line in fp:
+                if line.strip():
                     record = json.loads(line)
-                except json.JSONDecodeError:
-                    return set()
-                return set(record) if isinstance(record, dict) else set()
+                    return set(record) if isinstance(record, dict) else set()
+        except ValueError:  # not JSON, or not UTF-8: load_lengths says which
+            return set()
     return set()
 
 

@@ -6,7 +6,16 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from odc_plugin.balance.step_time import CLUSTER_SCHEMES, SCHEMES, ClusterModel, ClusterRow, PlanRow
+from odc_plugin.balance.step_time import (
+    CLUSTER_SCHEMES,
+    SCHEMES,
+    SPEEDUP_BASELINE,
+    ClusterModel,
+    ClusterRow,
+    PlanRow,
+)
+
+SPEEDUP_OVER = f"speedup over {SCHEMES[SPEEDUP_BASELINE]}"
 
 
 def format_table(rows: Sequence[PlanRow]) -> str:
@@ -21,7 +30,7 @@ def format_table(rows: Sequence[PlanRow]) -> str:
         columns.append((name, "time", lambda r, s=s: f"{r.seconds[s]:.4g}"))
         columns.append((name, "idle", lambda r, s=s: f"{r.idle_fraction[s]:.1%}"))
     for s in ("odc_lb_micro", "odc_lb_mini"):
-        columns.append(("speedup", SCHEMES[s], lambda r, s=s: f"{r.speedup(s):.3f}x"))
+        columns.append((SPEEDUP_OVER, SCHEMES[s], lambda r, s=s: f"{r.speedup(s):.3f}x"))
     columns.append(("limit", "time", lambda r: f"{r.limit_s:.4g}"))
     for s, name in SCHEMES.items():
         columns.append(("over the limit", name, lambda r, s=s: f"{r.over_limit(s):+.1%}"))
@@ -77,11 +86,11 @@ def plot(rows: Sequence[PlanRow], path: str, title: str = "") -> None:
         dps = [r.dp_size for r in sel]
         for s, name in SCHEMES.items():
             style = {"linestyle": styles[s], "marker": "o", "color": f"C{i}", "label": f"{name}, mini-batch {size}"}
-            if s != "fsdp_lb_micro":
+            if s != SPEEDUP_BASELINE:
                 ax_speed.plot(dps, [r.speedup(s) for r in sel], **style)
             ax_idle.plot(dps, [r.idle_fraction[s] for r in sel], **style)
     ranks = sorted({r.dp_size for r in rows})
-    for ax, label in ((ax_speed, "speedup over FSDP+LB-Micro"), (ax_idle, "idle fraction")):
+    for ax, label in ((ax_speed, SPEEDUP_OVER), (ax_idle, "idle fraction")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ranks, [str(r) for r in ranks])
         ax.minorticks_off()

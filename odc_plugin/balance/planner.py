@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, VerlFlopsCost, get_cost_model
@@ -46,12 +49,38 @@ from odc_plugin.balance.step_time import (
     IB_BW,
     NVLINK_BW,
     SCHEMES,
+    SPEEDUP_BASELINE,
     ClusterModel,
     StepTimeModel,
     cluster_table,
     model_params,
     plan_table,
+    unrunnable,
 )
+
+DEFAULT_RANKS = [8, 16, 32, 64]
+DEFAULT_MODEL = "Qwen2.5-7B"
+
+
+def _number(kind: type, low: float, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` above `low` (`strict`) or at least `low`; argparse names the option."""
+    bound = f"{'>' if strict else '>='} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not (value > low if strict else value >= low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'an integer' if kind is int else 'a finite number'} {bound}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+POSITIVE_INT, POSITIVE, NON_NEGATIVE = _number(int, 0, True), _number(float, 0, True), _number(float, 0, False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,44 +100,42 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODEL_DIR",
         help="count the tokens of a data set's chat prompts or of a rollout dump with this model's tokenizer",
     )
-    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64], help="GPUs")
+    p.add_argument("--ranks", type=POSITIVE_INT, nargs="+", help=f"GPUs; default {' '.join(map(str, DEFAULT_RANKS))}")
     p.add_argument(
         "--sp",
-        type=int,
+        type=POSITIVE_INT,
         nargs="+",
-        default=[1],
         metavar="N",
-        help="Ulysses sequence-parallel sizes (ulysses_sequence_parallel_size); rows per size",
+        help="Ulysses sequence-parallel sizes (ulysses_sequence_parallel_size); rows per size; default 1",
     )
     p.add_argument(
         "--minibatch-sizes",
-        type=int,
+        type=POSITIVE_INT,
         nargs="+",
         help="samples per mini-batch (ppo_mini_batch_size x rollout.n); default 256 512 1024, for a run's "
         "lengths its step",
     )
-    p.add_argument("--max-token-len", type=int, help="ppo_max_token_len_per_gpu; default max(16384, longest)")
+    p.add_argument("--max-token-len", type=POSITIVE_INT, help="ppo_max_token_len_per_gpu; default max(16384, longest)")
     p.add_argument(
         "--micro-batch-size",
-        type=int,
+        type=POSITIVE_INT,
         metavar="N",
         help="ppo_micro_batch_size_per_gpu: fixed micro-batches of N samples instead of dynamic batch size",
     )
     p.add_argument("--cost", default="flops", choices=["tokens", "flops", "fit"])
     p.add_argument(
         "--model",
-        default="Qwen2.5-7B",
-        help=f"for --cost flops: a preset ({', '.join(PRESETS)}) or a model directory with a config.json",
+        help=f"for --cost flops (and --nodes' parameters): a preset ({', '.join(PRESETS)}) or a model directory "
+        f"with a config.json; default {DEFAULT_MODEL}",
     )
     p.add_argument(
         "--moe-flops",
         choices=["active", "total"],
-        default="active",
-        help="for --cost flops with an MoE model: a token's cost through its own experts (active, "
+        help="for --cost flops with an MoE model: a token's cost through its own experts (active, the default: "
         "what it costs) or through all of them (total, as a dense model of that size)",
     )
-    p.add_argument("--fit-a", type=float, help="for --cost fit: a in a*s^2 + b*s")
-    p.add_argument("--fit-b", type=float, help="for --cost fit: b in a*s^2 + b*s")
+    p.add_argument("--fit-a", type=NON_NEGATIVE, help="for --cost fit: a in a*s^2 + b*s")
+    p.add_argument("--fit-b", type=NON_NEGATIVE, help="for --cost fit: b in a*s^2 + b*s")
     p.add_argument(
         "--fit-file",
         metavar="FILE.json",
@@ -116,37 +143,46 @@ def _parser() -> argparse.ArgumentParser:
         "times --num-layers (default: the layers of the file's model)",
     )
     p.add_argument(
-        "--throughput", type=float, help="cost units per second; default 4e14 for flops (H100, ~40%% MFU), else 1"
+        "--throughput", type=POSITIVE, help="cost units per second; default 4e14 for flops (H100, ~40%% MFU), else 1"
     )
-    p.add_argument("--layer-comm-bytes", type=float, default=0.0, help="per layer and micro-batch; 0: compute only")
-    p.add_argument("--num-layers", type=int, help="default: the model's for --cost flops and --fit-file")
+    p.add_argument(
+        "--layer-comm-bytes",
+        type=NON_NEGATIVE,
+        help="per layer and micro-batch (not with --nodes); default 0: compute only",
+    )
+    p.add_argument("--num-layers", type=POSITIVE_INT, help="default: the model's for --cost flops and --fit-file")
     p.add_argument(
         "--intra-node-bw",
-        type=float,
+        type=POSITIVE,
         default=NVLINK_BW,
         help="bytes/s per GPU and direction inside a node (default: ~80%% of H100 NVLink 4)",
     )
     p.add_argument(
         "--inter-node-bw",
-        type=float,
+        type=POSITIVE,
         default=IB_BW,
         help="bytes/s per GPU and direction across nodes (default: ~80%% of one 400 Gb/s IB NIC)",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=POSITIVE_INT, default=8)
     p.add_argument(
         "--nodes",
-        type=int,
+        type=POSITIVE_INT,
         nargs="+",
         help="compare FSDP-HSDP, ODC-HSDP and flat ODC on these node counts (instead of --ranks)",
     )
-    p.add_argument("--model-params", type=float, help="for --nodes: parameters to communicate; default --model's")
-    p.add_argument("--max-prompt-length", type=int, default=512, help="for --lengths rl")
+    p.add_argument("--model-params", type=POSITIVE, help="for --nodes: parameters to communicate; default --model's")
+    p.add_argument("--max-prompt-length", type=POSITIVE_INT, default=512, help="for --lengths rl")
     p.add_argument(
-        "--max-response-length", type=int, default=4096, help="for --lengths rl and a data set's prompts' responses"
+        "--max-response-length",
+        type=POSITIVE_INT,
+        default=4096,
+        help="for --lengths rl and a data set's prompts' responses",
     )
-    p.add_argument("--max-length", type=int, default=32768, help="for --lengths sft")
-    p.add_argument("--draws", type=int, help="mini-batches averaged per row; default 5, for a run's lengths its steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-length", type=_number(int, 2, False), default=32768, help="for --lengths sft")
+    p.add_argument(
+        "--draws", type=POSITIVE_INT, help="mini-batches averaged per row; default 5, for a run's lengths its steps"
+    )
+    p.add_argument("--seed", type=_number(int, 0, False), default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot speedup and idle fraction")
     return p
@@ -157,7 +193,8 @@ def _cost_and_model(args) -> tuple[CostModel, StepTimeModel]:
     num_layers = args.num_layers
     if args.cost == "fit" and args.fit_file:
         calibration = CostCalibration.load(args.fit_file)
-        num_layers = num_layers or calibration.num_hidden_layers
+        if num_layers is None:
+            num_layers = calibration.num_hidden_layers
         if not num_layers:
             raise ValueError(f"{args.fit_file}: model {calibration.model!r} is not a preset; give --num-layers")
         # Whole-model seconds per sequence, as --fit-a/--fit-b give them, so the throughput stays 1.
@@ -169,15 +206,80 @@ def _cost_and_model(args) -> tuple[CostModel, StepTimeModel]:
         )
         if args.moe_flops == "total" and hasattr(cost, "dense"):
             cost = cost.dense()
+    throughput = args.throughput
+    if throughput is None:
+        throughput = 4e14 if args.cost == "flops" else 1.0
     model = StepTimeModel(
-        throughput=args.throughput or (4e14 if args.cost == "flops" else 1.0),
-        layer_comm_bytes=args.layer_comm_bytes,
-        num_layers=num_layers or getattr(cost, "num_hidden_layers", 0),
+        throughput=throughput,
+        layer_comm_bytes=0.0 if args.layer_comm_bytes is None else args.layer_comm_bytes,
+        num_layers=getattr(cost, "num_hidden_layers", 0) if num_layers is None else num_layers,
         intra_node_bw=args.intra_node_bw,
         inter_node_bw=args.inter_node_bw,
         gpus_per_node=args.gpus_per_node,
     )
     return cost, model
+
+
+def _check_combination(p: argparse.ArgumentParser, args) -> None:
+    """Refuse an option the others leave unused (none is silently ignored), then fill in the defaults that
+    depend on which options were given."""
+    if args.nodes:
+        given = {
+            "--ranks": args.ranks,
+            "--sp": args.sp,
+            "--plot": args.plot,
+            "--layer-comm-bytes": args.layer_comm_bytes,
+        }
+        unused = [option for option, value in given.items() if value is not None]
+        if unused:
+            p.error(
+                f"{', '.join(unused)}: not used with --nodes, which plans nodes x --gpus-per-node GPUs and models "
+                "their communication from --model-params; drop them or --nodes"
+            )
+    elif args.model_params is not None:
+        p.error("--model-params is for --nodes; drop it or give --nodes")
+    given = {"--fit-a": args.fit_a, "--fit-b": args.fit_b, "--fit-file": args.fit_file}
+    fit_options = [option for option, value in given.items() if value is not None]
+    if args.cost != "fit" and fit_options:
+        p.error(f"{', '.join(fit_options)}: for --cost fit, not --cost {args.cost}; give --cost fit or drop them")
+    if args.cost == "fit" and args.fit_file and (args.fit_a is not None or args.fit_b is not None):
+        p.error("--cost fit takes --fit-file or --fit-a and --fit-b, not both")
+    if args.cost == "fit" and not args.fit_file and (args.fit_a is None or args.fit_b is None):
+        p.error("--cost fit needs --fit-file, or --fit-a and --fit-b")
+    if args.cost != "flops" and args.moe_flops is not None:
+        p.error(f"--moe-flops is for --cost flops, not --cost {args.cost}; drop it")
+    if args.cost != "flops" and args.model is not None and not (args.nodes and args.model_params is None):
+        p.error(f"--model is for --cost flops (or --nodes without --model-params), not --cost {args.cost}; drop it")
+    if args.model is None:
+        args.model = DEFAULT_MODEL
+    if args.ranks is None:
+        args.ranks = DEFAULT_RANKS
+    if args.sp is None:
+        args.sp = [1]
+    if args.plot is not None:
+        if len(args.sp) > 1:
+            p.error("--plot draws one sequence-parallel size; give one --sp")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            p.error(f"--plot {args.plot}: no directory {folder}; create it or give another path")
+
+
+def _left_out(args) -> list[str]:
+    """The configurations the table leaves out because verl could not run them, each with why."""
+    if args.nodes:
+        grid = [(f"nodes={n}", n * args.gpus_per_node, 1) for n in args.nodes]
+    else:
+        grid = [(f"ranks={g}" + (f" sp={sp}" if sp > 1 else ""), g, sp) for g in args.ranks for sp in args.sp]
+    out = []
+    for name, gpus, sp in grid:
+        if gpus % sp:
+            out.append(f"{name} ({gpus} GPUs do not divide into Ulysses groups of {sp})")
+            continue
+        for size in args.minibatch_sizes:
+            why = unrunnable(size, gpus // sp, args.micro_batch_size)
+            if why:
+                out.append(f"{name} mini-batch={size} ({why})")
+    return out
 
 
 def _lengths(args) -> LengthSource:
@@ -213,6 +315,7 @@ def _print_table(args, source: LengthSource, cost: str, rows, max_token_len: int
     if args.json:
         rows_json = [asdict(r) | {"speedup": {s: r.speedup(s) for s in SCHEMES}} for r in rows]
         header = {"lengths": args.lengths, "lengths_from": source.what, "cost": args.cost, "cost_model": cost}
+        header["speedup_baseline"] = SPEEDUP_BASELINE  # every row's "speedup" is over this scheme's time
         batch = {"max_token_len": max_token_len, "micro_batch_size": args.micro_batch_size}
         print(json.dumps({**header, **batch, "rows": rows_json}))
         return
@@ -231,21 +334,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     p = _parser()
     args = p.parse_args(argv)
-    if args.plot and len(args.sp) > 1:
-        p.error("--plot draws one sequence-parallel size; give one --sp")
-    if args.cost == "fit" and args.fit_file and (args.fit_a is not None or args.fit_b is not None):
-        p.error("--cost fit takes --fit-file or --fit-a and --fit-b, not both")
-    if args.cost == "fit" and not args.fit_file and (args.fit_a is None or args.fit_b is None):
-        p.error("--cost fit needs --fit-file, or --fit-a and --fit-b")
-    if args.micro_batch_size is not None and args.micro_batch_size < 1:
-        p.error(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    _check_combination(p, args)
     try:
         cost, model = _cost_and_model(args)
         source = _lengths(args)
-        max_token_len = args.max_token_len or max(16384, source.longest)
+        max_token_len = max(16384, source.longest) if args.max_token_len is None else args.max_token_len
         if args.nodes:
             cluster = ClusterModel(
-                args.model_params or model_params(args.model),
+                model_params(args.model) if args.model_params is None else args.model_params,
                 args.gpus_per_node,
                 args.intra_node_bw,
                 args.inter_node_bw,
@@ -263,8 +359,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 micro_batch_size=args.micro_batch_size,
             )
         else:
-            if any(sp < 1 for sp in args.sp):
-                raise ValueError(f"--sp sizes must be >= 1, got {args.sp}")
             rows = plan_table(
                 source.draw,
                 args.ranks,
@@ -279,6 +373,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
     except ValueError as e:
         p.error(str(e))
+    if not rows:
+        over = "node count's GPUs (nodes x --gpus-per-node)" if args.nodes else "rank count"
+        per_rank = f" into micro-batches of {args.micro_batch_size}" if args.micro_batch_size else ""
+        p.error(f"no mini-batch size divides evenly over any {over}{per_rank}; give --minibatch-sizes that do")
+    left_out = _left_out(args)
+    if left_out:
+        print(f"odc-plan: note: left out, as verl could not run them: {'; '.join(left_out)}", file=sys.stderr)
     if args.nodes:
         print_cluster(
             rows,
@@ -291,9 +392,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             as_json=args.json,
         )
         return
-    if not rows:
-        per_rank = f" into micro-batches of {args.micro_batch_size}" if args.micro_batch_size else ""
-        p.error(f"no mini-batch size divides evenly over any rank count{per_rank}")
     _print_table(args, source, _cost_text(args, cost), rows, max_token_len, model.throughput)
     if args.plot:
         plot(rows, args.plot, title=f"{args.lengths}, cost={args.cost}, max_token_len={max_token_len}")

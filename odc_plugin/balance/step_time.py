@@ -10,6 +10,7 @@ HSDP, ODC inside each node with one all-reduce across nodes, and flat ODC.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -20,6 +21,8 @@ from odc_plugin.balance.lb_micro import lb_micro
 from odc_plugin.balance.lb_mini import lb_mini
 
 SCHEMES = {"fsdp_lb_micro": "FSDP+LB-Micro", "odc_lb_micro": "ODC+LB-Micro", "odc_lb_mini": "ODC+LB-Mini"}
+# The scheme every PlanRow.speedup is over: verl's own fsdp2 with its dynamic batch size.
+SPEEDUP_BASELINE = "fsdp_lb_micro"
 
 # Per GPU and direction, what collectives reach on H100 nodes: NVLink 4 carries 450 GB/s each way, of
 # which NCCL reaches about 80%; one 400 Gb/s (NDR) InfiniBand NIC per GPU carries 50 GB/s, again ~80%.
@@ -78,9 +81,9 @@ class StepTimeModel:
 
     def __post_init__(self):
         for name in ("throughput", "intra_node_bw", "inter_node_bw", "gpus_per_node"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"StepTimeModel.{name} must be > 0, got {getattr(self, name)}")
-        if self.layer_comm_bytes < 0 or self.num_layers < 0:
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"StepTimeModel.{name} must be finite and > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.layer_comm_bytes) and self.layer_comm_bytes >= 0) or self.num_layers < 0:
             raise ValueError("StepTimeModel.layer_comm_bytes and num_layers must be >= 0")
         if self.layer_comm_bytes and not self.num_layers:
             raise ValueError("StepTimeModel.layer_comm_bytes needs num_layers")
@@ -156,6 +159,16 @@ def compare_schemes(
     )
 
 
+def unrunnable(minibatch_size: int, dp_size: int, micro_batch_size: int | None = None) -> str | None:
+    """Why verl could not run a mini-batch of `minibatch_size` samples over `dp_size` data-parallel units
+    (with fixed micro-batches of `micro_batch_size`); None when it can."""
+    if minibatch_size % dp_size:
+        return f"{minibatch_size} samples do not divide over {dp_size} data-parallel ranks"
+    if micro_batch_size and minibatch_size // dp_size % micro_batch_size:
+        return f"{minibatch_size // dp_size} samples per rank do not divide into micro-batches of {micro_batch_size}"
+    return None
+
+
 @dataclass
 class PlanRow:
     """Means over the draws of one (ranks, mini-batch size) configuration."""
@@ -169,7 +182,7 @@ class PlanRow:
     sp: int = 1
 
     def speedup(self, scheme: str) -> float:
-        return self.seconds["fsdp_lb_micro"] / self.seconds[scheme]
+        return self.seconds[SPEEDUP_BASELINE] / self.seconds[scheme]
 
     def over_limit(self, scheme: str) -> float:
         """How far the scheme's time is above the limit (0: at it)."""
@@ -200,7 +213,7 @@ def plan_table(
                 continue
             dp, group_model = gpus // sp, replace(model, throughput=model.throughput * sp)
             for size in minibatch_sizes:
-                if size % dp or (micro_batch_size and size // dp % micro_batch_size):
+                if unrunnable(size, dp, micro_batch_size):
                     continue
                 runs = [
                     compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model, micro_batch_size)
@@ -270,8 +283,8 @@ class ClusterModel:
 
     def __post_init__(self):
         for f in fields(self):
-            if not getattr(self, f.name) > 0:
-                raise ValueError(f"ClusterModel.{f.name} must be > 0, got {getattr(self, f.name)}")
+            if not (math.isfinite(getattr(self, f.name)) and getattr(self, f.name) > 0):
+                raise ValueError(f"ClusterModel.{f.name} must be finite and > 0, got {getattr(self, f.name)}")
 
     def micro_batch_comm(self, scheme: str, nodes: int) -> float:
         g, dp = self.gpus_per_node, nodes * self.gpus_per_node
@@ -353,8 +366,7 @@ def cluster_table(
         if n < 2:
             raise ValueError(f"--nodes compares multi-node set-ups; got {n} node(s)")
         for size in minibatch_sizes:
-            dp = n * cluster.gpus_per_node
-            if size % dp or (micro_batch_size and size // dp % micro_batch_size):
+            if unrunnable(size, n * cluster.gpus_per_node, micro_batch_size):
                 continue
             runs = [
                 compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput, micro_batch_size)

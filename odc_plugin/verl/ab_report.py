@@ -48,6 +48,7 @@ TOKENS = "perf/total_num_tokens"
 THROUGHPUT = "perf/throughput"
 PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")
 UPDATE_PHASES = ("update_actor", "update_critic")
+TIMED = ("step", *PHASES)  # the timings a figure divides by
 ROLES = ("actor", "critic")
 ODC_STATS = (
     "compute_s_mean",
@@ -80,6 +81,11 @@ def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
     except ValueError as e:
         raise ReportError(str(e)) from None
     training = {s: m for s, m in sorted(records.items()) if STEP in m}
+    for step, metrics in training.items():
+        for key, value in metrics.items():
+            # the figures divide by the step's and the phases' times; no other timing is negative either
+            if key.startswith("timing_s/") and (value < 0 or (value == 0 and key[len("timing_s/") :] in TIMED)):
+                raise ReportError(f"{path}: step {step} logs {key}={value:g}; a measured time must be > 0")
     if len(training) <= skip_first:
         raise ReportError(
             f"{path}: {len(training)} training step(s) with {STEP}, need more than --skip-first={skip_first}"
@@ -415,7 +421,7 @@ def _steps_span(runs: Sequence[Run]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         allow_abbrev=False,
-        prog="ab_report",
+        prog="odc-ab-report",
         description="Compare a fsdp2 run and an odc run of verl from their file-logger metrics.",
     )
     parser.add_argument(
@@ -450,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         base, cand = (load_run(p, label, args.skip_first) for p, label in zip(paths, labels))
         report = compare(base, cand)
     except ReportError as e:
-        print(f"ab_report: {e}", file=sys.stderr)
+        print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -67,12 +67,16 @@ def test_load_lengths(tmp_path):
         (None, None, "missing.txt", r"length file '.*missing.txt' not found"),
         (None, None, "a.parquet:nope", r"has no column 'nope'; columns: n, s"),
         (None, None, "a.parquet:s", r"a.parquet:s is string; expected integer lengths or lists of token ids"),
+        ("b.json", "[0, 0, 0]", "b.json", r"b.json: every length is 0, nothing to balance"),
+        ("b.json", "not json", "b.json", r"b.json: not JSON \(Expecting value.*\); expected a JSON list of lengths"),
+        (None, None, "a.parquet", r"a.parquet looks like a parquet file; pass .*a.parquet:COLUMN"),
+        ("b.txt", b"\xff\xfe1\n", "b.txt", r"b.txt: not UTF-8 text \(invalid start byte at byte 0\)"),
     ],
 )
 def test_load_lengths_errors(tmp_path, name, content, spec, match):
     pq.write_table(pa.table({"n": [1], "s": ["a"]}), tmp_path / "a.parquet")
     if name:
-        (tmp_path / name).write_text(content)
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ValueError, match=match):
         load_lengths(str(tmp_path / spec))
 

@@ -38,7 +38,7 @@ def test_communication_bounds_short_micro_batches():
 
 
 def test_bad_models_and_plans():
-    with pytest.raises(ValueError, match="throughput must be > 0"):
+    with pytest.raises(ValueError, match="throughput must be finite and > 0"):
         StepTimeModel(throughput=0)
     with pytest.raises(ValueError, match="layer_comm_bytes needs num_layers"):
         StepTimeModel(layer_comm_bytes=1)
@@ -95,7 +95,7 @@ def test_cluster_model_communication():
     assert cluster.micro_batch_comm("fsdp_hsdp", 2) == pytest.approx(max(0.07, 0.05))
     # flat over 16 ranks: 8 of the 16 shards are on the other node
     assert cluster.micro_batch_comm("odc_flat", 2) == pytest.approx(8e9 * 8 / 16 / 1e10)
-    with pytest.raises(ValueError, match="ClusterModel.inter_node_bw must be > 0"):
+    with pytest.raises(ValueError, match="ClusterModel.inter_node_bw must be finite and > 0"):
         ClusterModel(1e9, inter_node_bw=0)
 
 
@@ -150,7 +150,7 @@ def test_ulysses_groups_are_the_units_of_lockstep_and_balance(capsys):
     assert [(r["sp"], r["dp_size"]) for r in rows] == [(1, 8), (2, 4), (4, 2)]
     with pytest.raises(SystemExit):
         main(["--sp", "0"])
-    assert "--sp sizes must be >= 1, got [0]" in capsys.readouterr().err
+    assert "argument --sp: must be an integer > 0, got '0'" in capsys.readouterr().err
 
 
 def test_cli_plans_a_runs_steps_with_fixed_micro_batches(tmp_path, monkeypatch, capsys):
@@ -178,3 +178,65 @@ def test_cli_plans_a_runs_steps_with_fixed_micro_batches(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit):
         main(["--lengths", str(tmp_path / "run.jsonl"), "--ranks", "4", "--micro-batch-size", "3"])
     assert "no mini-batch size divides evenly over any rank count into micro-batches of 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--nodes", "3", "--minibatch-sizes", "256"], "no mini-batch size divides evenly over any node count's GPUs"),
+        (["--nodes", "2", "--gpus-per-node", "3"], "no mini-batch size divides evenly over any node count's GPUs"),
+        (["--ranks", "0"], "argument --ranks: must be an integer > 0, got '0'"),
+        (["--throughput", "inf"], "argument --throughput: must be a finite number > 0, got 'inf'"),
+        (["--throughput", "nan"], "argument --throughput: must be a finite number > 0, got 'nan'"),
+        (["--throughput", "0"], "argument --throughput: must be a finite number > 0, got '0'"),
+        (["--max-token-len", "0"], "argument --max-token-len: must be an integer > 0, got '0'"),
+        (["--cost", "fit", "--fit-file", "FIT", "--num-layers", "0"], "argument --num-layers: must be an integer > 0"),
+        (["--cost", "fit", "--fit-file", "FIT", "--num-layers", "-2"], "argument --num-layers: must be an integer > 0"),
+        (["--nodes", "2", "--model-params", "0"], "argument --model-params: must be a finite number > 0, got '0'"),
+        (["--cost", "fit", "--fit-a", "nan", "--fit-b", "1"], "argument --fit-a: must be a finite number >= 0"),
+        (["--layer-comm-bytes", "nan"], "argument --layer-comm-bytes: must be a finite number >= 0, got 'nan'"),
+        (["--max-response-length", "0"], "argument --max-response-length: must be an integer > 0, got '0'"),
+        (["--max-response-length", "-1"], "argument --max-response-length: must be an integer > 0, got '-1'"),
+        (["--max-prompt-length", "-200"], "argument --max-prompt-length: must be an integer > 0, got '-200'"),
+        (["--draws", "1.5"], "argument --draws: must be an integer > 0, got '1.5'"),
+        (["--plot", "/nonexistent-dir/x.png"], "--plot /nonexistent-dir/x.png: no directory /nonexistent-dir"),
+        (["--nodes", "2", "--ranks", "8", "--sp", "2"], "--ranks, --sp: not used with --nodes"),
+        (["--cost", "tokens", "--fit-file", "FIT"], "--fit-file: for --cost fit, not --cost tokens"),
+        (
+            ["--cost", "tokens", "--model", "Qwen2.5-7B"],
+            "--model is for --cost flops (or --nodes without --model-params)",
+        ),
+        (["--model-params", "1e9"], "--model-params is for --nodes; drop it or give --nodes"),
+    ],
+)
+def test_cli_refuses_bad_numbers_and_unused_options_in_one_line(argv, message, capsys):
+    """Bad input: one error line naming the option, a nonzero exit and nothing on stdout; 0 never stands
+    for a default, and no option is silently ignored."""
+    argv = [a.replace("FIT", "configs/cost_fit/Qwen2.5-7B-H100.json") for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--draws", "1"] if "--draws" not in argv else argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert message in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_cli_names_the_baseline_and_the_rows_it_leaves_out(tmp_path, capsys):
+    args = ["--ranks", "3", "4", "--minibatch-sizes", "8", "10", "--draws", "1", "--cost", "tokens"]
+    main(args)
+    out, err = capsys.readouterr()
+    assert "speedup over FSDP+LB-Micro" in out.splitlines()[2]
+    assert err.splitlines() == [
+        "odc-plan: note: left out, as verl could not run them: "
+        "ranks=3 mini-batch=8 (8 samples do not divide over 3 data-parallel ranks); "
+        "ranks=3 mini-batch=10 (10 samples do not divide over 3 data-parallel ranks); "
+        "ranks=4 mini-batch=10 (10 samples do not divide over 4 data-parallel ranks)"
+    ]
+    main([*args, "--json"])
+    assert json.loads(capsys.readouterr().out)["speedup_baseline"] == "fsdp_lb_micro"
+    (tmp_path / "zeros.json").write_text("[0, 0, 0]")
+    with pytest.raises(SystemExit):
+        main([*args, "--lengths", str(tmp_path / "zeros.json")])
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1].endswith(
+        "zeros.json: every length is 0, nothing to balance; give the file of the real lengths"
+    )

@@ -177,6 +177,41 @@ def test_unusable_inputs_fail_with_one_line(tmp_path, capsys):
     assert "--skip-first=1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "bad: a directory, not a metrics file (verl's file logger, .jsonl)"),
+        (b'{"step": 1, "data": [1, 2]}\n', "bad:1: not a verl file-logger record (data is a list, not an object"),
+        (b"\xff\xfe\x00binary", "bad: not UTF-8 text (invalid start byte at byte 0), not a metrics file"),
+        (b'{"step": 1, "data": {"timing_s/step": -5.0}}\n', "bad: step 1 logs timing_s/step=-5; a measured time"),
+        (b'{"step": 2, "data": {"timing_s/step": 0.0}}\n', "bad: step 2 logs timing_s/step=0; a measured time"),
+        (
+            b'{"step": 1, "data": {"timing_s/step": 3.0, "timing_s/update_actor": -0.1}}\n',
+            "bad: step 1 logs timing_s/update_actor=-0.1",
+        ),
+    ],
+)
+def test_unreadable_or_impossible_metrics_name_the_file_in_one_line(tmp_path, capsys, content, message):
+    """A directory, a record whose data is not an object, a binary file, a time that cannot be measured: one
+    line under the command's own name naming the file (and step), exit 1, nothing on stdout."""
+    good = write_run(tmp_path / "good.jsonl", [10, 10], [4, 4])
+    capsys.readouterr()  # verl's logger prints where it writes
+    bad = tmp_path / "bad"
+    if content is None:
+        bad.mkdir()
+    else:
+        bad.write_bytes(content)
+    assert ab_report.main([str(good), str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.startswith("odc-ab-report: ") and message in err
+    with pytest.raises(SystemExit):
+        ab_report.main([str(good), str(bad), str(bad)])
+    assert (
+        capsys.readouterr().err.splitlines()[-1] == "odc-ab-report: error: give one run directory or two metric files"
+    )
+
+
 def test_phase_report_gives_each_phase_every_run_and_the_factors(tmp_path):
     """odc-grpo-cpu --compare fsdp2,lockstep,odc: per phase each run's s/step, and the factors between runs
     as medians of per-step ratios; with emulated runs' phase times, idle, the planner and its error."""
