@@ -138,9 +138,9 @@ STEPS = (
         "correctness",
     ),
     Step(
-        "nccl-shared-gpu",
-        "item 8's set-up: does NCCL take two ranks on one GPU (the engine tests' ranks share it)",
-        ("python", "benchmarks/gpu_check.py", "--nccl-shared-gpu"),
+        "shared-gpu",
+        "item 8's set-up: what a group of two ranks on one GPU can do (the engine tests' ranks share it)",
+        ("python", "benchmarks/gpu_check.py", "--shared-gpu"),
         90,
         "correctness",
     ),
@@ -501,6 +501,20 @@ def last_line(text: str) -> str:
 # --------------------------------------------------------------------------------------------- step helpers
 
 
+def tree_commit(git: str | None) -> str:
+    """The commit git names here, and whether the tree that runs is that commit: the device tool copies the
+    working tree, and the git metadata beside it can be older (on 2026-11-26 it named a commit 20 back)."""
+    if not git:
+        return "no git here"
+    head = subprocess.run([git, "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode:
+        return "no git metadata here"
+    changed = subprocess.run([git, "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
+    count = len(changed.stdout.splitlines())
+    differs = f", but {count} tracked files differ from it: the tree that ran is not that commit" if count else ""
+    return head.stdout.strip() + differs
+
+
 def print_versions(site: str | None) -> None:
     """The `versions` step: what this machine runs, and what the installed wheels put first for verl."""
     import importlib.metadata as md
@@ -510,8 +524,7 @@ def print_versions(site: str | None) -> None:
 
     print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, host {socket.gethostname()}")
     git = shutil.which("git")
-    commit = git and subprocess.run([git, "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    print(f"repository: {commit.stdout.strip() if commit and commit.returncode == 0 else 'no git metadata here'}")
+    print(f"repository: {tree_commit(git)}")
     print(f"python {platform.python_version()} ({sys.executable}), {platform.platform()}")
     nccl = nccl_version() if torch.cuda.is_available() else "-"
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}")
@@ -551,7 +564,7 @@ def nccl_version() -> str:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-def _nccl_two_ranks(rank, world_size):
+def _all_reduce_on_gpu0(rank, world_size):
     import torch
     import torch.distributed as dist
 
@@ -561,9 +574,39 @@ def _nccl_two_ranks(rank, world_size):
     return t.item()
 
 
-def nccl_shared_gpu() -> int:
-    """The `nccl-shared-gpu` step: two ranks on GPU 0 in one NCCL group, an all-reduce. Either answer is
-    a finding (printed); exit 1 only when the check itself could not run."""
+def _all_gather_on_gpu0(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    out = torch.empty(world_size, device="cuda")
+    dist.all_gather_into_tensor(out, torch.full((1,), float(rank), device="cuda"))
+    return out.tolist()
+
+
+def _full_tensor_on_gpu0(rank, world_size):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (world_size,))
+    return distribute_tensor(torch.arange(float(world_size), device="cuda"), mesh, [Shard(0)]).full_tensor().tolist()
+
+
+# (group backend, what is tried, the rank function): the NCCL case decides whether the engine tests' ranks
+# that share a GPU can use verl's own group; the gloo cases say which of their collectives gloo then
+# carries (DTensor.full_tensor is what verl's weight export and the tests' state reads call).
+SHARED_GPU_CASES = (
+    ("nccl", "all_reduce", _all_reduce_on_gpu0),
+    ("gloo", "all_gather_into_tensor (c10d) of CUDA tensors", _all_gather_on_gpu0),
+    ("gloo", "DTensor.full_tensor() on a CUDA mesh (functional all-gather)", _full_tensor_on_gpu0),
+)
+
+
+def shared_gpu() -> int:
+    """The `shared-gpu` step: each of SHARED_GPU_CASES in a pair of ranks of its own on GPU 0. Every answer
+    is a finding (printed, a refusal or a crash included); exit 1 only when nothing could be checked."""
     import torch
 
     from odc_plugin.launch import RankFailed, run_ranks
@@ -571,15 +614,16 @@ def nccl_shared_gpu() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing checked")
         return 1
-    version = nccl_version()
-    try:
-        sums = run_ranks(_nccl_two_ranks, 2, backend="nccl", timeout_s=60, pg_timeout_s=30)
-    except RankFailed as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = next((line for line in lines if "Duplicate GPU" in line), lines[-1] if lines else "")
-        print(f"{e}\nNCCL {version} refuses two ranks on one GPU: {reason}")
-        return 0
-    print(f"NCCL {version} accepts two ranks on one GPU: the all-reduce of ones gave {sums}")
+    print(f"torch {torch.__version__}, NCCL {nccl_version()}, two ranks on GPU 0 ({torch.cuda.get_device_name(0)}):")
+    for backend, what, fn in SHARED_GPU_CASES:
+        try:
+            result = run_ranks(fn, 2, backend=backend, timeout_s=60, pg_timeout_s=30)
+        except RankFailed as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            reason = next((line for line in lines if "Duplicate GPU" in line), lines[0] if lines else "")
+            print(f"  {backend} {what}: FAILS: {reason}")
+            continue
+        print(f"  {backend} {what}: works, rank results {result}")
     return 0
 
 
@@ -629,7 +673,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", metavar="STEP", help="run these steps (and the set-up steps) only")
     p.add_argument("--build-wheels", action="store_true", help=f"build {WHEEL_DIR}/ here (needs network)")
     p.add_argument("--versions", nargs="?", const="", metavar="SITE", help="the versions step")
-    p.add_argument("--nccl-shared-gpu", action="store_true", help="the nccl-shared-gpu step")
+    p.add_argument("--shared-gpu", action="store_true", help="the shared-gpu step")
     args = p.parse_args(argv)
     if args.collect and not args.dry_run:
         p.error("--collect goes with --dry-run")
@@ -641,8 +685,8 @@ def main(argv=None) -> int:
     if args.versions is not None:
         print_versions(args.versions or None)
         return 0
-    if args.nccl_shared_gpu:
-        return nccl_shared_gpu()
+    if args.shared_gpu:
+        return shared_gpu()
     if args.build_wheels:
         return build_wheels()
     steps = select(args.only)
