@@ -18,7 +18,6 @@ trainer, patches/cpu_layer_time.py) both emulate through this module.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -29,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .balance.costs import CostCalibration, FitCost
+from .cli_args import number_arg
 
 # "auto" time scale: a rank's fair share of a mini-batch's emulated work takes about this long, which
 # keeps what the rehearsal itself costs (processes woken on few cores, Python between layers) small.
@@ -85,17 +85,8 @@ def auto_time_scale(
     return share_s / share
 
 
-def time_scale_arg(text: str) -> float | str:
-    """argparse type of --time-scale: 'auto' or a finite number > 0."""
-    if text == "auto":
-        return text
-    try:
-        scale = float(text)
-    except ValueError:
-        scale = math.nan
-    if not (math.isfinite(scale) and scale > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0 or 'auto', got {text!r}")
-    return scale
+# argparse type of --time-scale
+time_scale_arg = number_arg(float, words=("auto",))
 
 
 def parse_slow_ranks(spec: str | None, ranks: int) -> dict[int, float]:

@@ -36,10 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 
 from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, VerlFlopsCost, get_cost_model
@@ -57,30 +56,13 @@ from odc_plugin.balance.step_time import (
     plan_table,
     unrunnable,
 )
+from odc_plugin.cli_args import number_arg
 
 DEFAULT_RANKS = [8, 16, 32, 64]
 DEFAULT_MODEL = "Qwen2.5-7B"
 
 
-def _number(kind: type, low: float, strict: bool) -> Callable[[str], float]:
-    """An argparse type: a finite `kind` above `low` (`strict`) or at least `low`; argparse names the option."""
-    bound = f"{'>' if strict else '>='} {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or not (value > low if strict else value >= low):
-            raise argparse.ArgumentTypeError(
-                f"must be {'an integer' if kind is int else 'a finite number'} {bound}, got {text!r}"
-            )
-        return value
-
-    return parse
-
-
-POSITIVE_INT, POSITIVE, NON_NEGATIVE = _number(int, 0, True), _number(float, 0, True), _number(float, 0, False)
+POSITIVE_INT, POSITIVE, NON_NEGATIVE = number_arg(int), number_arg(float), number_arg(float, strict=False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -178,11 +160,11 @@ def _parser() -> argparse.ArgumentParser:
         default=4096,
         help="for --lengths rl and a data set's prompts' responses",
     )
-    p.add_argument("--max-length", type=_number(int, 2, False), default=32768, help="for --lengths sft")
+    p.add_argument("--max-length", type=number_arg(int, 2, strict=False), default=32768, help="for --lengths sft")
     p.add_argument(
         "--draws", type=POSITIVE_INT, help="mini-batches averaged per row; default 5, for a run's lengths its steps"
     )
-    p.add_argument("--seed", type=_number(int, 0, False), default=0)
+    p.add_argument("--seed", type=number_arg(int, strict=False), default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot speedup and idle fraction")
     return p

@@ -24,8 +24,8 @@ def _refused(capsys, tmp_path, argv) -> str:
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--timeout-s", "0"], "argument --timeout-s: must be a finite number of seconds > 0, got '0'"),
-        (["--timeout-s", "nan"], "argument --timeout-s: must be a finite number of seconds > 0, got 'nan'"),
+        (["--timeout-s", "0"], "argument --timeout-s: must be a finite number > 0, got '0'"),
+        (["--timeout-s", "nan"], "argument --timeout-s: must be a finite number > 0, got 'nan'"),
         (["--emulate", FIT, "--time-scale", "0"], "argument --time-scale: must be a finite number > 0 or 'auto'"),
         (["--emulate", FIT, "--time-scale", "inf"], "argument --time-scale: must be a finite number > 0 or 'auto'"),
         (["--slow-ranks", "1:inf"], "--slow-ranks: factor of rank 1 must be a finite number > 0, got inf"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import re
 import shlex
@@ -38,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ...cli_args import number_arg
 from ...layer_time import AUTO_SHARE_S, auto_time_scale, parse_slow_ranks, time_scale_arg
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import MODELS, Assets, ensure_assets
@@ -461,16 +461,6 @@ def last_error(log_file: str) -> str:
     return (errors or lines or ["(no output)"])[-1]
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
-
-
 def _runs(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
@@ -502,7 +492,7 @@ def _parser() -> argparse.ArgumentParser:
         "(ODC with LB-Mini); default fsdp2,odc",
     )
     parser.add_argument(
-        "--timeout-s", type=_seconds, default=1800.0, help="a run still going after this is killed (default 1800)"
+        "--timeout-s", type=number_arg(), default=1800.0, help="a run still going after this is killed (default 1800)"
     )
     parser.add_argument(
         "--model",
