@@ -17,7 +17,8 @@ learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% and 6% (and the
 by 4%), which RTOL = 1e-3 catches with room on both sides.
 
 Each file also holds a fingerprint of the tiny model the run starts from (its weights depend on the
-tokenizer and the data too, through the warm start). The assets are built once per machine and cached;
+tokenizer and the data too, through the warm start). The assets are built once per machine and cached, the
+same on every x86-64 CPU (`assets.PORTABLE_ENV`);
 a cache left by older code under the same `assets.VERSION` gives other metrics for reasons no change
 under test explains, so a mismatch of the fingerprint is reported first, naming the cache. So are the
 versions of the libraries that compute the run, when metrics moved and they differ from those the file
