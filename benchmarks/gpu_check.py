@@ -503,7 +503,7 @@ def last_line(text: str) -> str:
 
 def tree_commit(git: str | None) -> str:
     """The commit git names here, and whether the tree that runs is that commit: the device tool copies the
-    working tree, and the git metadata beside it can be older (on 2026-11-26 it named a commit 20 back)."""
+    working tree, and the git metadata beside it can be older (on 2026-11-26 it named a commit 18 back)."""
     if not git:
         return "no git here"
     head = subprocess.run([git, "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
