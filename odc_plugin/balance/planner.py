@@ -54,7 +54,6 @@ from odc_plugin.balance.step_time import (
     cluster_table,
     model_params,
     plan_table,
-    unrunnable,
 )
 from odc_plugin.cli_args import number_arg
 
@@ -246,24 +245,6 @@ def _check_combination(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--plot {args.plot}: no directory {folder}; create it or give another path")
 
 
-def _left_out(args) -> list[str]:
-    """The configurations the table leaves out because verl could not run them, each with why."""
-    if args.nodes:
-        grid = [(f"nodes={n}", n * args.gpus_per_node, 1) for n in args.nodes]
-    else:
-        grid = [(f"ranks={g}" + (f" sp={sp}" if sp > 1 else ""), g, sp) for g in args.ranks for sp in args.sp]
-    out = []
-    for name, gpus, sp in grid:
-        if gpus % sp:
-            out.append(f"{name} ({gpus} GPUs do not divide into Ulysses groups of {sp})")
-            continue
-        for size in args.minibatch_sizes:
-            why = unrunnable(size, gpus // sp, args.micro_batch_size)
-            if why:
-                out.append(f"{name} mini-batch={size} ({why})")
-    return out
-
-
 def _lengths(args) -> LengthSource:
     """The lengths the arguments name; fills in the defaults that depend on them (a run's mini-batch is its
     step, its draws are its steps)."""
@@ -317,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = _parser()
     args = p.parse_args(argv)
     _check_combination(p, args)
+    left_out: list[str] = []  # the configurations verl could not run, with why
     try:
         cost, model = _cost_and_model(args)
         source = _lengths(args)
@@ -339,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.draws,
                 args.seed,
                 micro_batch_size=args.micro_batch_size,
+                skipped=left_out,
             )
         else:
             rows = plan_table(
@@ -352,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.seed,
                 args.sp,
                 micro_batch_size=args.micro_batch_size,
+                skipped=left_out,
             )
     except ValueError as e:
         p.error(str(e))
@@ -359,7 +343,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         over = "node count's GPUs (nodes x --gpus-per-node)" if args.nodes else "rank count"
         per_rank = f" into micro-batches of {args.micro_batch_size}" if args.micro_batch_size else ""
         p.error(f"no mini-batch size divides evenly over any {over}{per_rank}; give --minibatch-sizes that do")
-    left_out = _left_out(args)
     if left_out:
         print(f"odc-plan: note: left out, as verl could not run them: {'; '.join(left_out)}", file=sys.stderr)
     if args.nodes:

@@ -169,6 +169,11 @@ def unrunnable(minibatch_size: int, dp_size: int, micro_batch_size: int | None =
     return None
 
 
+def _skip(skipped: list[str] | None, what: str) -> None:
+    if skipped is not None:
+        skipped.append(what)
+
+
 @dataclass
 class PlanRow:
     """Means over the draws of one (ranks, mini-batch size) configuration."""
@@ -200,20 +205,24 @@ def plan_table(
     seed: int = 0,
     sp_sizes: Sequence[int] = (1,),
     micro_batch_size: int | None = None,
+    skipped: list[str] | None = None,
 ) -> list[PlanRow]:
     """One row per (ranks, sequence-parallel size, mini-batch size) that divides evenly, as verl requires;
     `ranks` are GPUs; `draw(n, seed)` gives the lengths of one mini-batch of n samples. Every row sees the
-    same draws."""
+    same draws. Each configuration left out, with why, is appended to `skipped` when given."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
     rows = []
     for gpus in ranks:
         for sp in sp_sizes:
+            name = f"ranks={gpus}" + (f" sp={sp}" if sp > 1 else "")
             if sp < 1 or gpus % sp:
+                _skip(skipped, f"{name} ({gpus} GPUs do not divide into Ulysses groups of {sp})")
                 continue
             dp, group_model = gpus // sp, replace(model, throughput=model.throughput * sp)
             for size in minibatch_sizes:
-                if unrunnable(size, dp, micro_batch_size):
+                if why := unrunnable(size, dp, micro_batch_size):
+                    _skip(skipped, f"{name} mini-batch={size} ({why})")
                     continue
                 runs = [
                     compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model, micro_batch_size)
@@ -356,9 +365,10 @@ def cluster_table(
     draws: int = 5,
     seed: int = 0,
     micro_batch_size: int | None = None,
+    skipped: list[str] | None = None,
 ) -> list[ClusterRow]:
     """One row per (nodes, mini-batch size) whose size divides over the ranks; every node count sees the
-    same draws."""
+    same draws. Each configuration left out, with why, is appended to `skipped` when given."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
     rows = []
@@ -366,7 +376,8 @@ def cluster_table(
         if n < 2:
             raise ValueError(f"--nodes compares multi-node set-ups; got {n} node(s)")
         for size in minibatch_sizes:
-            if unrunnable(size, n * cluster.gpus_per_node, micro_batch_size):
+            if why := unrunnable(size, n * cluster.gpus_per_node, micro_batch_size):
+                _skip(skipped, f"nodes={n} mini-batch={size} ({why})")
                 continue
             runs = [
                 compare_cluster(draw(size, seed + d), n, max_token_len, cost, cluster, throughput, micro_batch_size)
