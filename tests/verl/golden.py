@@ -16,19 +16,15 @@ here (fsdp2 against odc in one run: the KL loss of step 2; 7e-5 on an earlier as
 learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% and 6% (and the gradient norm of step 3
 by 4%), which RTOL = 1e-3 catches with room on both sides.
 
-Each file also holds a fingerprint of the tiny model the run starts from (its weights depend on the
-tokenizer and the data too, through the warm start). The assets are built once per machine and cached, the
-same on every x86-64 CPU (`assets.PORTABLE_ENV`);
-a cache left by older code under the same `assets.VERSION` gives other metrics for reasons no change
-under test explains, so a mismatch of the fingerprint is reported first, naming the cache. So are the
-versions of the libraries that compute the run, when metrics moved and they differ from those the file
-was made with.
+Each file also holds a fingerprint of the tiny model the run starts from, the one shipped in the package
+(`assets.SHIPPED`, the same on every machine; tests/verl/test_assets.py checks the two agree). A mismatch
+is reported first, naming the cache; so are the versions of the libraries that compute the run, when
+metrics moved and they differ from those the file was made with.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -37,7 +33,7 @@ import sys
 from pathlib import Path
 
 from odc_plugin.verl.ab_report import read_metrics
-from odc_plugin.verl.cpu.assets import ensure_assets
+from odc_plugin.verl.cpu.assets import ensure_assets, model_fingerprint
 from odc_plugin.verl.cpu.grpo import STRATEGIES
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -107,18 +103,6 @@ def differences(got: dict, want: dict, rtol: float = RTOL) -> list[str]:
     return lines
 
 
-def assets_fingerprint(model_dir: str) -> str:
-    """The tiny model's weights, hashed in name order (its safetensors file's bytes would also hash the
-    writer's metadata)."""
-    from safetensors.torch import load_file
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items()):
-        digest.update(name.encode())
-        digest.update(tensor.contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def library_versions() -> dict[str, str]:
     from importlib.metadata import version
 
@@ -135,11 +119,10 @@ def compare(runs: dict[str, dict[int, dict]], config: str = "grpo_cpu") -> list[
     golden = json.loads(golden_file(config).read_text())
     lines = []
     model_dir = ensure_assets(log=lambda _: None).model_dir
-    if golden.get("assets") != (fingerprint := assets_fingerprint(model_dir)):
+    if golden.get("assets") != (fingerprint := model_fingerprint(model_dir)):
         lines.append(
-            f"the cached assets ({os.path.dirname(model_dir)}, model {fingerprint}) are not"
-            f" those the golden metrics start from (model {golden.get('assets')}): a cache built by older "
-            "code? delete it and rerun; if the build was changed on purpose, bump assets.VERSION and refresh"
+            f"the run's model ({model_dir}, model {fingerprint}) is not the one the golden metrics start from"
+            f" (model {golden.get('assets')}); if the shipped model was refreshed on purpose, refresh the golden files"
         )
     metrics = differences(golden_metrics(runs), golden["metrics"])
     made_with, have = golden.get("versions", {}), library_versions()
@@ -173,7 +156,7 @@ def refresh(config: str, out_dir: str) -> int:
         json.dumps(
             {
                 "command": f"odc-grpo-cpu {' '.join(args)}",
-                "assets": assets_fingerprint(ensure_assets(log=lambda _: None).model_dir),
+                "assets": model_fingerprint(ensure_assets(log=lambda _: None).model_dir),
                 "versions": library_versions(),
                 "rtol": RTOL,
                 "metrics": new,

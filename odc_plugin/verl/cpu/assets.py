@@ -1,45 +1,44 @@
 """Everything a GRPO run on a laptop needs, made offline: arithmetic word problems in verl's GSM8K
-parquet layout, a tokenizer with a chat template, and a tiny model warm-started on the task: a Qwen2, or
-a Qwen3-MoE (`MODELS`).
+parquet layout, and a tiny model with its tokenizer (a chat template included) warm-started on the task: a
+Qwen2, or a Qwen3-MoE (`MODELS`).
 
 A randomly initialised model never writes "#### <number>", so every reward is 0, every GRPO advantage
 is 0 and training does nothing; a short supervised warm start teaches it the answer format and some
 arithmetic, so that rewards vary within a group. Problems take 1 to 4 steps, so responses differ in
-length. Built once and cached (`ODC_VERL_CACHE`, default
-~/.cache/odc-verl); a finished build is moved into place whole, so a crash leaves no half-built cache.
+length.
 
-The build is the same on every x86-64 CPU (`PORTABLE_ENV`): 400 warm-start steps amplify the last bit of a
-float sum, which torch's kernels (AVX2, AVX512), MKL's and oneDNN's code paths and the thread count each
-set otherwise; built natively, this project's AMX machine and the one its golden metrics were first made on
-gave different models from the same code, and the golden tests (`tests/verl/golden.py`) failed on one.
+The warm-started models are shipped in the package (`SHIPPED`, ~0.5 MB each), not built on the user's
+machine: 400 warm-start steps amplify the last bit of a float sum, which torch's kernels, MKL's and
+oneDNN's code paths, glibc's maths and the thread count each set per CPU, so a build gave other weights
+on an AVX512 machine with AMX, at AVX2, with one thread or two, and on an AMD EPYC even with all of those
+pinned, and the golden metrics (`tests/verl/golden.py`) held only where they had been made.
+`python -m odc_plugin.verl.cpu.assets --refresh` warm-starts them again (then refresh the golden files).
+The problems come from Python's own seeded generator and are the same everywhere. `ensure_assets` puts
+both in a cache (`ODC_VERL_CACHE`, default ~/.cache/odc-verl) that verl reads, and replaces a cached
+model that is not the shipped one; a finished cache entry is moved into place whole, so a crash leaves
+no half-written one.
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
+import hashlib
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..data import GSM8K, GSM8K_INSTRUCTION, make_row
 
-# Bump when anything below changes what gets built: old caches are then ignored.
-VERSION = 2
-# The build's process runs one thread on torch's baseline kernels, MKL's conditional numerical
-# reproducibility path and oneDNN's SSE4.1 kernels: code paths every x86-64 CPU runs alike (75 s, once).
-PORTABLE_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "ATEN_CPU_CAPABILITY": "default",
-    "MKL_CBWR": "COMPATIBLE",
-    "ONEDNN_MAX_CPU_ISA": "SSE41",
-}
+# Bump when the data set's making changes: old caches are then ignored.
+VERSION = 3
+# The warm-started models, one folder per model as transformers saves it (weights, config, tokenizer).
+SHIPPED = Path(__file__).with_name("tiny_models")
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -196,61 +195,93 @@ def cache_root() -> str:
     return os.environ.get("ODC_VERL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "odc-verl")
 
 
-def build(
-    out_dir: str,
-    *,
-    model: str = "qwen2",
-    n_train: int = 512,
-    n_val: int = 64,
-    warm_start_steps: int = 400,
-    seed: int = 0,
-) -> None:
-    """Write the model (+ tokenizer) and the two parquet files into `out_dir`."""
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """A model's weights, hashed in name order (its safetensors file's bytes would also hash the writer's
+    metadata): what the golden metrics start from."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def split_problems(n_train: int = 512, n_val: int = 64, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+    """The training and validation problems; the tokenizer and the warm start see both and the training set."""
     problems = make_problems(n_train + n_val, seed)
-    train, val = problems[:n_train], problems[n_train:]
-    tokenizer = build_tokenizer(problems)
-    model = build_model(tokenizer, seed, model)
-    warm_start(model, tokenizer, train, warm_start_steps, seed)
-    model_dir = os.path.join(out_dir, "model")
-    model.save_pretrained(model_dir)
-    model.generation_config.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    write_parquet(train, os.path.join(out_dir, "train.parquet"), "train")
-    write_parquet(val, os.path.join(out_dir, "test.parquet"), "test")
+    return problems[:n_train], problems[n_train:]
+
+
+def refresh(model: str, out: Path | None = None, steps: int = 400, seed: int = 0) -> str:
+    """Warm-start `model` again on this machine and write it to `out` (default: over its shipped folder);
+    returns its fingerprint."""
+    train, val = split_problems(seed=seed)
+    tokenizer = build_tokenizer(train + val)
+    built = build_model(tokenizer, seed, model)
+    warm_start(built, tokenizer, train, steps, seed)
+    out = out or SHIPPED / model
+    shutil.rmtree(out, ignore_errors=True)
+    built.save_pretrained(out)
+    built.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model_fingerprint(out)
+
+
+def _cached_model_is_shipped(model_dir: str, model: str) -> bool:
+    shipped = SHIPPED / model
+    names = sorted(p.name for p in shipped.iterdir())
+    return (
+        os.path.isdir(model_dir)
+        and sorted(os.listdir(model_dir)) == names
+        and all(filecmp.cmp(shipped / name, os.path.join(model_dir, name), shallow=False) for name in names)
+    )
 
 
 def ensure_assets(root: str | None = None, log=print, model: str = "qwen2") -> Assets:
-    """The cached assets with `model` (one of MODELS), built first if missing."""
+    """The cached assets with `model` (one of MODELS): the shipped model and the data set, written first if
+    missing or if the cached model is not the shipped one."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {', '.join(MODELS)}")
     root = root or cache_root()
     final = os.path.join(root, f"grpo-cpu-v{VERSION}" if model == "qwen2" else f"grpo-cpu-{model}-v{VERSION}")
-    if not os.path.isdir(final):
+    assets = Assets(
+        os.path.join(final, "model"), os.path.join(final, "train.parquet"), os.path.join(final, "test.parquet")
+    )
+    if not (_cached_model_is_shipped(assets.model_dir, model) and os.path.isfile(assets.val_file)):
         os.makedirs(root, exist_ok=True)
-        log(f"building the tiny {model} model, tokenizer and math data set (once) in {final}")
-        staging = tempfile.mkdtemp(prefix=".building-", dir=root)
+        log(f"writing the tiny {model} model and the math data set to {final}")
+        staging = tempfile.mkdtemp(prefix=".writing-", dir=root)
+        stale = f"{staging}.stale"
         try:
-            # a process of its own: torch and MKL fix their code paths when a process first uses them
-            command = [sys.executable, "-m", __name__, staging, "--model", model]
-            subprocess.run(command, env={**os.environ, **PORTABLE_ENV}, check=True)
+            shutil.copytree(SHIPPED / model, os.path.join(staging, "model"))
+            train, val = split_problems()
+            write_parquet(train, os.path.join(staging, "train.parquet"), "train")
+            write_parquet(val, os.path.join(staging, "test.parquet"), "test")
+            if os.path.isdir(final):
+                os.rename(final, stale)
             os.rename(staging, final)
         except OSError:
-            if not os.path.isdir(final):  # not a concurrent build that finished first
+            if not os.path.isdir(final):  # not a concurrent writer that finished first
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return Assets(
-        os.path.join(final, "model"), os.path.join(final, "train.parquet"), os.path.join(final, "test.parquet")
-    )
+            shutil.rmtree(stale, ignore_errors=True)
+    return assets
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The build of `ensure_assets`, in the process it starts with PORTABLE_ENV."""
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", allow_abbrev=False)
-    parser.add_argument("out_dir")
-    parser.add_argument("--model", choices=MODELS, default="qwen2")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__name__}",
+        description="Warm-start the shipped tiny models again on this machine (then refresh the golden files: "
+        "python -m tests.verl.golden).",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--refresh", action="store_true", required=True, help="rewrite the shipped models")
+    parser.add_argument("--model", choices=MODELS, nargs="+", default=list(MODELS))
     args = parser.parse_args(argv)
-    build(args.out_dir, model=args.model)
+    for model in args.model:
+        print(f"{model}: {SHIPPED / model}, model {refresh(model)}")
 
 
 if __name__ == "__main__":
