@@ -85,6 +85,9 @@ def conformance(rank, world_size, kind, options):
     # fp32 over the whole region and in bf16 at an offset, on a side stream as FSDP's reduce-scatter.
     rs = torch.cuda.Stream(dev)
     ones = torch.ones(N, device=dev)
+    # `ones` is filled on the default stream: the side stream must not read it before (a GPU run of 3 ranks
+    # once summed short on one rank without this wait)
+    rs.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(rs):
         for _ in range(ROUNDS):
             for k in range(world_size):
