@@ -1,21 +1,25 @@
-"""verl's v1 trainer is built from the class the run's configuration calls for: verl's own, or its odc
-subclass.
+"""verl's trainer is built from the class the run's configuration calls for: verl's own, or its odc
+subclass; and verl's legacy trainer refuses odc.
 
-verl 0.9.1's `main_ppo` builds the trainer in its TaskRunner as
+verl 0.9.1's `main_ppo` builds the v1 trainer in its TaskRunner as
 `get_trainer_cls(config.trainer.v1.trainer_mode)(config=config)` (`verl/trainer/main_ppo.py:150-167`),
-the first point at which a process of the run holds the run's configuration. This patch gives verl's
-`PPOTrainer`, which has no `__new__` of its own (object's), one that asks
+and with `trainer.use_v1=False` the legacy one as `RayPPOTrainer(config=config, ...)`
+(`verl/trainer/main_ppo_v0.py:218`): the first point at which a process of the run holds the run's
+configuration. This patch gives verl's `PPOTrainer` and `RayPPOTrainer` (`TARGETS`), which have no
+`__new__` of their own or in their bases (object's), one that asks
 `odc_plugin.verl.trainer.trainer_class(cls, config)`: a configuration without odc gets `cls` itself, its
 instance made as object.__new__ makes it, and nothing more of this project runs in that trainer; a
 configuration naming odc gets the odc subclass, or fails there in one line (another verl version, a
-trainer mode odc does not support).
+trainer mode odc does not support, the legacy trainer).
 
 Why a patch: verl's trainer registry (`register_trainer`, `trainer_base.py:1999`) is keyed by the mode's
 name alone, registering another class under a name verl registered raises, and a new name would change
 `trainer.v1.trainer_mode`, which verl also reads for the mode's own settings (`trainer_base.py:130-131`,
-`151`); so no extension point picks a class by the roles' strategies. Applied in every process on every
-verl version: it changes nothing for a run without odc, and on a verl it cannot apply to it logs a
-warning and leaves the choice to the odc engines' own check at start.
+`151`); so no extension point picks a class by the roles' strategies, and none sees the legacy trainer's
+configuration. Applied in every process on every verl version: it changes nothing for a run without odc,
+and on a verl it cannot apply to (the class gone, or a `__new__` verl defines in the class or any of its
+bases, which this one would hide or be hidden by) it logs one warning line and leaves the choice to the
+odc engines' own check at start.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from odc_patches import require_attr
 
 VERL_VERSION = "0.9.1"
 NAME = "trainer_choice"
-TARGET = "verl.trainer.ppo.v1.trainer_base"
+# module -> the trainer class in it that gets the choice: the v1 trainers' base, and the legacy trainer
+TARGETS = {"verl.trainer.ppo.v1.trainer_base": "PPOTrainer", "verl.trainer.ppo.ray_trainer": "RayPPOTrainer"}
 
 logger = logging.getLogger(__name__)
 
@@ -36,23 +41,30 @@ def _new(cls, *args, **kwargs):
     from odc_plugin.verl.trainer import trainer_class
 
     config = kwargs["config"] if "config" in kwargs else (args[0] if args else None)
-    return object.__new__(cls if config is None else trainer_class(cls, config))
+    return object.__new__(trainer_class(cls, config))
 
 
-def apply() -> None:
+def give_choice(trainer: type) -> None:
+    """Give verl's trainer class `trainer` the `__new__` that chooses, unless it or a base defines one."""
+    owner = next((k for k in trainer.__mro__[:-1] if "__new__" in vars(k)), None)
+    if owner is None:
+        trainer.__new__ = staticmethod(_new)
+    elif owner is not trainer or getattr(vars(trainer)["__new__"], "__func__", None) is not _new:
+        logger.warning(
+            "odc patch '%s' not applied: verl's %s has a __new__ of its own now (defined by %s); strategy=odc needs "
+            "verl %s",
+            NAME,
+            trainer.__qualname__,
+            owner.__qualname__,
+            VERL_VERSION,
+        )
+
+
+def apply(module: str) -> None:
+    """The choice for the trainer class of `module` (one of TARGETS), once that module is imported."""
     try:
-        trainer = require_attr(importlib.import_module(TARGET), "PPOTrainer", NAME)
-    except Exception as e:  # a verl without the v1 trainer: runs of other strategies must still start
+        trainer = require_attr(importlib.import_module(module), TARGETS[module], NAME)
+    except Exception as e:  # a verl without this trainer: runs of other strategies must still start
         logger.warning("odc patch '%s' not applied: %s", NAME, e)
         return
-    own = vars(trainer).get("__new__")
-    if own is not None:
-        if getattr(own, "__func__", None) is not _new:
-            logger.warning(
-                "odc patch '%s' not applied: verl's PPOTrainer has a __new__ of its own now; strategy=odc needs "
-                "verl %s",
-                NAME,
-                VERL_VERSION,
-            )
-        return
-    trainer.__new__ = staticmethod(_new)
+    give_choice(trainer)

@@ -5,9 +5,10 @@ Nothing here may resolve verl's device platform then (a later plugin may still r
 the plugin does to verl waits until verl's own modules are imported (`imports.after_import`):
 
 - the `odc` engines join verl's EngineRegistry (verl's extension point for backends);
-- verl's trainer gets the choice between its own class and the odc subclass (`patches/trainer_choice.py`),
-  which acts only on a configuration naming odc; everything odc needs of verl's trainer and workers comes
-  with that subclass (odc_plugin/verl/trainer.py), so a run of other strategies executes verl's own code.
+- verl's trainer gets the choice between its own class and the odc subclass (`patches/trainer_choice.py`;
+  verl's legacy trainer, the refusal of odc), which acts only on a configuration naming odc; everything odc
+  needs of verl's trainer and workers comes with that subclass (odc_plugin/verl/trainer.py), so a run of
+  other strategies executes verl's own code.
 
 With VERL_PLATFORM=cpu the plugin also makes verl run on CPU (`cpu/`).
 
@@ -18,6 +19,7 @@ swallows it, and a failure of a deferred registration at WARNING, leaving runs o
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 
@@ -50,7 +52,9 @@ try:
     if cpu.requested():
         cpu.enable(after_import)
     after_import("verl.workers.engine", _warn_on_failure("registering the odc engines", _register_engines))
-    after_import(trainer_choice.TARGET, _warn_on_failure("odc patch 'trainer_choice'", trainer_choice.apply))
+    for module in trainer_choice.TARGETS:
+        choice = functools.partial(trainer_choice.apply, module)
+        after_import(module, _warn_on_failure("odc patch 'trainer_choice'", choice))
 except Exception as e:
     logger.error("odc_plugin: the verl plugin 'odc' failed to load, %s: %s: %s", UNAVAILABLE, type(e).__name__, e)
     raise

@@ -17,12 +17,21 @@ Trainer modes: `sync` and `colocate_async` train under odc as under fsdp2 (neith
 method, so every FSDP pass is planned). `separate_async` is refused in one line: it trains with verl's
 DetachActorWorker, which saves and restores the actor's weights for fsdp, fsdp2, veomni and megatron
 only. A trainer registered by someone else is refused too: its methods were not checked against the
-plan.
+plan. So is verl's legacy trainer (`trainer.use_v1=False`: `main_ppo_v0`'s RayPPOTrainer, which
+`patches/trainer_choice.py` also asks): its stages hand the workers tensors, not the TransferQueue batches
+LB-Mini's dispatch plans, and it has no `init` for the loss check, so odc would train there unplanned and
+unchecked.
+
+The configuration is read as verl's own code reads it where it can be: an OmegaConf config as `main_ppo`
+builds it, but also a dict, a dataclass or None (a trainer built by a user's own script), so that a run
+without odc gets verl's class whatever it passes.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Mapping
 
 # The strategy keys of the roles, and which worker kind each role's odc engine runs in.
 ACTOR_SIDE_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy")
@@ -33,20 +42,31 @@ REFUSED_MODES = {
     "separate_async": "its DetachActorWorker saves and restores the actor's weights for fsdp, fsdp2, veomni and "
     "megatron only",
 }
+# verl's legacy trainer (trainer.use_v1=False), and why odc refuses it
+LEGACY_MODULE, LEGACY_CLASS = "verl.trainer.ppo.ray_trainer", "RayPPOTrainer"
+LEGACY_REFUSAL = (
+    "odc: trainer.use_v1=False (verl's legacy trainer, main_ppo_v0) is not supported with strategy=odc: it "
+    "dispatches every stage with verl's equal split and never runs odc's loss check or LB-Mini's plan; use "
+    "trainer.use_v1=True (the default) or strategy=fsdp2"
+)
 
 
-def _strategy(config, key: str):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(config, key, default=None)
+def _select(config, key: str):
+    """The value at the dotted `key` of a run's configuration, None where it has none."""
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
 
 
 def odc_sides(config) -> tuple[bool, bool]:
     """(actor or reference model on odc, critic on odc and trained) for a run's configuration."""
     from verl.trainer.ppo.utils import need_critic
 
-    actor_side = any(_strategy(config, key) == "odc" for key in ACTOR_SIDE_KEYS)
-    critic = _strategy(config, CRITIC_KEY) == "odc" and need_critic(config)
+    actor_side = any(_select(config, key) == "odc" for key in ACTOR_SIDE_KEYS)
+    critic = _select(config, CRITIC_KEY) == "odc" and need_critic(config)
     return actor_side, critic
 
 
@@ -65,6 +85,9 @@ def odc_trainer_class(cls: type) -> type:
     import odc_patches
 
     odc_patches.require_odc_verl()
+    legacy = sys.modules.get(LEGACY_MODULE)  # cls can only be its subclass once it is imported
+    if legacy is not None and issubclass(cls, getattr(legacy, LEGACY_CLASS)):
+        raise ValueError(LEGACY_REFUSAL)
     mode = next((m for m in (*SUPPORTED_MODES, *REFUSED_MODES) if get_trainer_cls(m) is cls), None)
     if mode in REFUSED_MODES:
         raise ValueError(

@@ -7,6 +7,7 @@ run in-process on verl's own objects; `monkeypatch` puts back whatever a test ch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -312,19 +313,107 @@ def configs():
     }
 
 
+@dataclasses.dataclass
+class _Actor:
+    strategy: str = "fsdp2"
+
+
+@dataclasses.dataclass
+class _Roles:
+    actor: _Actor = dataclasses.field(default_factory=_Actor)
+
+
+@dataclasses.dataclass
+class _DataclassConfig:
+    """A configuration a user's own script might build: a dataclass, not OmegaConf."""
+
+    actor_rollout_ref: _Roles = dataclasses.field(default_factory=_Roles)
+
+
 @needs_trainer
 def test_trainer_choice_gives_verls_own_class_without_odc(configs):
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
 
     from odc_plugin.verl.trainer import trainer_class
 
-    assert vars(PPOTrainer)["__new__"].__func__.__module__ == "odc_patches.trainer_choice"  # the plugin's choice
-    for mode in ("sync", "colocate_async", "separate_async"):
+    for trainer in (PPOTrainer, RayPPOTrainer):  # the plugin's choice, on the v1 trainers and the legacy one
+        assert vars(trainer)["__new__"].__func__.__module__ == "odc_patches.trainer_choice"
+    for cls in (*(get_trainer_cls(m) for m in ("sync", "colocate_async", "separate_async")), RayPPOTrainer):
         for name in ("fsdp", "fsdp2", "odc critic, none built"):
-            assert trainer_class(get_trainer_cls(mode), configs[name]) is get_trainer_cls(mode), (mode, name)
+            assert trainer_class(cls, configs[name]) is cls, (cls, name)
     # what main_ppo's TaskRunner does, up to verl's own __init__ (which would start Ray)
     trainer = PPOTrainer.__new__(get_trainer_cls("sync"), config=configs["fsdp2"])
     assert type(trainer) is get_trainer_cls("sync") and not vars(trainer)
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer, config=configs["fsdp2"], tokenizer=None)
+    assert type(trainer) is RayPPOTrainer and not vars(trainer)
+
+
+@needs_trainer
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"actor_rollout_ref": {"actor": {"strategy": "fsdp2"}}, "critic": {"strategy": "fsdp2"}},
+        {},
+        _DataclassConfig(),
+        None,
+        "not a configuration at all",
+    ],
+    ids=["dict", "empty dict", "dataclass", "None", "str"],
+)
+def test_trainer_choice_gives_verls_class_for_any_configuration_without_odc(config):
+    """A trainer built by a user's own code with a configuration that is not OmegaConf: verl's class, no exception,
+    as keyword and as first positional argument, and with no argument at all."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+
+    for base, cls in ((PPOTrainer, get_trainer_cls("sync")), (RayPPOTrainer, RayPPOTrainer)):
+        assert type(base.__new__(cls, config=config)) is cls
+        assert type(base.__new__(cls, config)) is cls
+        assert type(base.__new__(cls)) is cls
+
+
+@needs_trainer
+def test_trainer_choice_reads_odc_from_a_dict_configuration():
+    from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+
+    sync = get_trainer_cls("sync")
+    trainer = PPOTrainer.__new__(sync, config={"actor_rollout_ref": {"actor": {"strategy": "odc"}}})
+    assert type(trainer).__mro__[2] is sync and type(trainer)._odc_trainer
+
+
+def test_trainer_choice_leaves_a_class_alone_whose_bases_define_new(caplog):
+    """A verl whose trainer class, or any base of it, defines __new__: the choice is not given (it would hide that
+    __new__, or be hidden by it), with one warning line; verl's __new__ stays in place."""
+    from odc_patches import trainer_choice
+
+    class Base:
+        def __new__(cls, *args, **kwargs):
+            return super().__new__(cls)
+
+    class Trainer(Base):
+        pass
+
+    class Plain:
+        pass
+
+    verls = vars(Base)["__new__"]
+    with caplog.at_level(logging.WARNING, logger=trainer_choice.__name__):
+        trainer_choice.give_choice(Trainer)
+        trainer_choice.give_choice(Base)
+        trainer_choice.give_choice(Plain)
+        trainer_choice.give_choice(Plain)  # applied once: no warning the second time
+    assert "__new__" not in vars(Trainer) and vars(Base)["__new__"] is verls
+    assert vars(Plain)["__new__"].__func__ is trainer_choice._new
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        "odc patch 'trainer_choice' not applied: verl's test_trainer_choice_leaves_a_class_alone_whose_bases_define_"
+        "new.<locals>.Trainer has a __new__ of its own now (defined by test_trainer_choice_leaves_a_class_alone_whose_"
+        "bases_define_new.<locals>.Base); strategy=odc needs verl 0.9.1",
+        "odc patch 'trainer_choice' not applied: verl's test_trainer_choice_leaves_a_class_alone_whose_bases_define_"
+        "new.<locals>.Base has a __new__ of its own now (defined by test_trainer_choice_leaves_a_class_alone_whose_"
+        "bases_define_new.<locals>.Base); strategy=odc needs verl 0.9.1",
+    ]
 
 
 @needs_trainer
@@ -357,6 +446,23 @@ def test_trainer_choice_refuses_separate_async_and_others_trainers_in_one_line(c
 
     with pytest.raises(ValueError, match=r"^odc: the trainer .*MyTrainer is not supported with strategy=odc"):
         PPOTrainer.__new__(MyTrainer, config=configs["odc"])
+
+
+@needs_trainer
+def test_trainer_choice_refuses_the_legacy_trainer_in_one_line(configs):
+    """trainer.use_v1=False: main_ppo_v0 builds RayPPOTrainer(config=config, ...), which the choice refuses for odc
+    (before any worker starts) and leaves to verl for other strategies."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    for name in ("odc", "odc critic"):
+        with pytest.raises(ValueError) as refused:
+            RayPPOTrainer.__new__(RayPPOTrainer, config=configs[name], tokenizer=None)
+        assert str(refused.value) == (
+            "odc: trainer.use_v1=False (verl's legacy trainer, main_ppo_v0) is not supported with strategy=odc: it "
+            "dispatches every stage with verl's equal split and never runs odc's loss check or LB-Mini's plan; use "
+            "trainer.use_v1=True (the default) or strategy=fsdp2"
+        )
+    assert type(RayPPOTrainer.__new__(RayPPOTrainer, config=configs["fsdp2"])) is RayPPOTrainer
 
 
 @needs_trainer
