@@ -82,10 +82,11 @@ def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
         raise ReportError(str(e)) from None
     training = {s: m for s, m in sorted(records.items()) if STEP in m}
     for step, metrics in training.items():
-        for key, value in metrics.items():
-            # the figures divide by the step's and the phases' times; no other timing is negative either
-            if key.startswith("timing_s/") and (value < 0 or (value == 0 and key[len("timing_s/") :] in TIMED)):
-                raise ReportError(f"{path}: step {step} logs {key}={value:g}; a measured time must be > 0")
+        # Only the times the figures divide by are read as times: verl also logs counts under timing_s/ (its
+        # agent loop's agent_loop/num_preempted/*, -1 where the rollout does not report preemptions).
+        for key in (f"timing_s/{name}" for name in TIMED):
+            if key in metrics and not metrics[key] > 0:
+                raise ReportError(f"{path}: step {step} logs {key}={metrics[key]:g}; a measured time must be > 0")
     if len(training) <= skip_first:
         raise ReportError(
             f"{path}: {len(training)} training step(s) with {STEP}, need more than --skip-first={skip_first}"

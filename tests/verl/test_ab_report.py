@@ -52,9 +52,26 @@ def _engine_metrics(role: str, wait: float, compute: float) -> dict:
     return reduce_metrics(rename_dict(per_mini_batch, f"{role}/"))
 
 
-def write_run(path, step_s, update_actor_s, *, odc=None, val=True, update_critic_s=None):
+def _agent_loop_timing(n: int = 4) -> dict:
+    """What verl's agent loop adds to a step's timings (the legacy trainer logs them, `ray_trainer.py:1518`), from
+    verl's own function: times, and counts, with num_preempted -1 where the rollout reports no preemptions
+    (`single_turn_agent_loop.py:81-82`)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+    metrics = [
+        [{"generate_sequences": 0.5 + i, "tool_calls": 0.0, "compute_score": 0.01, "num_preempted": -1}]
+        for i in range(n)
+    ]
+    output = DataProto.from_dict(
+        tensors={"prompts": torch.ones(n, 3, dtype=torch.long), "attention_mask": torch.ones(n, 8, dtype=torch.long)}
+    )
+    return AgentLoopManager._performance_metrics(None, metrics, output)
+
+
+def write_run(path, step_s, update_actor_s, *, odc=None, val=True, update_critic_s=None, agent_loop=False):
     """One run through verl's Tracking file logger; step 0 is a validation-only record like verl's
-    `val_before_train`, and the last step also carries validation metrics."""
+    `val_before_train`, and the last step also carries validation metrics; with `agent_loop` each step's timings
+    also have the agent loop's, as the legacy trainer logs them."""
     os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
     try:
         tracking = Tracking(project_name="odc_ab", experiment_name=path.stem, default_backend=["file"])
@@ -75,6 +92,8 @@ def write_run(path, step_s, update_actor_s, *, odc=None, val=True, update_critic
         }
         if update_critic_s is not None:
             timing_raw["update_critic"] = update_critic_s[i - 1]
+        if agent_loop:
+            timing_raw.update(_agent_loop_timing())
         metrics = {"training/global_step": i, "training/epoch": 0}
         metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))
         metrics.update(compute_throughout_metrics(batch=batch, timing_raw=timing_raw, n_gpus=N_GPUS))
@@ -175,6 +194,21 @@ def test_unusable_inputs_fail_with_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "0 training step(s)" in err
     assert ab_report.main([str(tmp_path / "one.jsonl"), str(tmp_path / "one.jsonl")]) == 1
     assert "--skip-first=1" in capsys.readouterr().err
+
+
+def test_counts_under_timing_s_are_not_read_as_times(tmp_path, capsys):
+    """verl's legacy trainer logs its agent loop's counts under timing_s/ (timing_s/agent_loop/num_preempted/min=-1):
+    the report reads only the times its figures divide by as times."""
+    write_run(tmp_path / "fsdp2.jsonl", [30, 10, 12], [20, 4, 4], agent_loop=True)
+    write_run(tmp_path / "odc.jsonl", [30, 8, 9], [20, 2, 2], agent_loop=True)
+    logged = json.loads((tmp_path / "odc.jsonl").read_text().splitlines()[1])["data"]
+    assert (
+        logged["timing_s/agent_loop/num_preempted/min"] == -1 and "timing_s/agent_loop/slowest/prompt_length" in logged
+    )
+    capsys.readouterr()
+    assert ab_report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "update phase s/step" in out and "num_preempted" not in out
 
 
 @pytest.mark.parametrize(

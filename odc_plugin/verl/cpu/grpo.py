@@ -708,7 +708,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
     if len(results) >= 2:
-        text = report(results, args, emulation, out_dir)
+        from ..ab_report import ReportError
+
+        try:
+            text = report(results, args, emulation, out_dir)
+        except ReportError as e:
+            print(f"odc-grpo-cpu: the runs finished, but their A/B report cannot be made: {e}", file=sys.stderr)
+            return 1
         with open(os.path.join(out_dir, "report.txt"), "w", encoding="utf-8") as fp:
             fp.write(text + "\n")
         print("\n" + text)
