@@ -9,6 +9,13 @@ and `barrier` never call a collective on the process group, which is what lets r
 barriers. A transport holds, from start to `close`, only its *control words* (arrival flags, doorbells,
 failure notices: `control_bytes`, a few KiB); everything else it holds belongs to regions, freed with them.
 
+Accumulate methods (`ACCUMULATE_METHODS`): "direct" adds straight into the owner's accumulator, safe
+against concurrent writers (GPU peer atomics, record locks on CPU); "slots" gives every sender a slot of
+its own, the accumulator's size, in the owner's memory, which the sender adds into alone (no atomics, no
+locks) and the owner folds into its accumulator at the barrier (slots.py). A transport offers what its
+peers' memory allows (`accumulate_methods`), and the method is fixed while any accumulator exists;
+nvshmem has one of its own ("staged": slots fed by messages, folded whenever the owner calls the transport).
+
 Failures. A rank whose work fails posts a failure notice in its own slice of a region every transport
 sets up (`announce_failure`); every wait of its peers reads the notices and raises ODCPeerFailedError
 instead of waiting out its timeout. The ranks then meet once more (`recover`): once every rank is there,
@@ -26,8 +33,11 @@ import numbers
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+
+from .slots import Slots
 
 
 class ODCError(RuntimeError):
@@ -93,6 +103,9 @@ def check_timeout(timeout_s: float) -> None:
         raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
 
 
+AccumulateMethod = Literal["direct", "slots"]
+ACCUMULATE_METHODS: tuple[str, ...] = get_args(AccumulateMethod)
+
 # (src dtype, region dtype) pairs `accumulate` takes besides equal ones: bf16 gradients added into an fp32
 # accumulator widen exactly (the GPU kernels read bf16 directly; nvshmem ships it as bf16).
 _WIDENING_ADDS = frozenset({(torch.bfloat16, torch.float32)})
@@ -122,6 +135,65 @@ class Transport(abc.ABC):
         self._control_names: set[str] = set()  # theirs, known to `alloc` while it allocates one
         self._allocating_control = False  # only `_alloc_control` may allocate a name in _control_names
         self._closed = False
+        self._accumulate_method = "direct"
+        # the accumulate targets (float32 regions other than the control words), with their slots under "slots"
+        self._accumulators: dict[str, Slots | None] = {}
+
+    @property
+    def accumulate_method(self) -> str:
+        """How `accumulate` adds into the accumulators allocated from now on (ACCUMULATE_METHODS)."""
+        return self._accumulate_method
+
+    def accumulate_methods(self) -> tuple[str, ...]:
+        """The accumulate methods this transport offers: "direct" alone by default (nvshmem: "staged", its own)."""
+        return ("direct",)
+
+    def set_accumulate_method(self, method: str) -> None:
+        """Use `method` for the accumulators allocated from now on; refused while any exists (each keeps the
+        layout it was allocated with)."""
+        self._check_open()
+        if method not in self.accumulate_methods():
+            offered = ", ".join(self.accumulate_methods())
+            raise ValueError(f"{type(self).__name__} offers the accumulate method(s) {offered}, not {method!r}")
+        if method != self.accumulate_method and self._accumulators:
+            raise RuntimeError(
+                f"the accumulate method changes only while no accumulator exists; free {sorted(self._accumulators)}"
+            )
+        self._accumulate_method = method
+
+    def _gets_slots(self, name: str, dtype: torch.dtype) -> bool:
+        return (
+            self.accumulate_method == "slots"
+            and self.world_size > 1
+            and dtype == torch.float32
+            and name not in self._control_names
+        )
+
+    def _allocated_numel(self, name: str, numel: int, dtype: torch.dtype) -> int:
+        """Elements to allocate on every rank for region `name`: its own, and its slots under "slots"."""
+        return Slots.allocated_numel(numel, self.world_size) if self._gets_slots(name, dtype) else numel
+
+    def _allocated(self, name: str, numel: int, dtype: torch.dtype, local: torch.Tensor) -> None:
+        """Region `name` was allocated, `local` being all of this rank's `_allocated_numel` elements."""
+        if dtype == torch.float32 and name not in self._control_names:
+            self._accumulators[name] = Slots(numel, self.world_size, local) if self._gets_slots(name, dtype) else None
+
+    def _slot(self, region: Region, peer_full: torch.Tensor, peer: int) -> torch.Tensor | None:
+        """This rank's slot in `peer`'s allocation of `region` (`peer_full`, mapped here), or None where the
+        add goes straight into the accumulator (the direct method, or this rank's own)."""
+        slots = self._accumulators.get(region.name)
+        return None if slots is None or peer == self.rank else slots.slot_in(peer_full, self.rank, peer)
+
+    def _fold_slots(self, meet: Callable[[float], None], timeout_s: float) -> None:
+        """Once every rank has met at a barrier (every add has landed): fold this rank's slots into its
+        accumulators and meet again, so that no sender adds into a slot before it is zeroed. In a recovery
+        the adds of the failed round are dropped instead."""
+        slotted = [s for s in self._accumulators.values() if s is not None]
+        if not slotted:
+            return
+        for slots in slotted:
+            slots.fold(keep=not self._recovering)
+        meet(timeout_s)
 
     def _alloc_control(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         """Collective, during set-up: a region of the transport's own control words, held until `close`."""
@@ -425,6 +497,16 @@ class DelegatingTransport(Transport):
 
     def mapped_bytes(self) -> int:
         return self.inner.mapped_bytes()
+
+    @property
+    def accumulate_method(self) -> str:
+        return self.inner.accumulate_method
+
+    def accumulate_methods(self) -> tuple[str, ...]:
+        return self.inner.accumulate_methods()
+
+    def set_accumulate_method(self, method: str) -> None:
+        self.inner.set_accumulate_method(method)
 
     def get(self, region: Region, peer: int, offset: int, out: torch.Tensor) -> None:
         self.inner.get(region, peer, offset, out)

@@ -4,8 +4,10 @@ Every rank allocates each region on its GPU and exports it with torch's own CUDA
 mechanism torch.multiprocessing uses); the handles go round once, at `alloc`, through the process group.
 Each rank maps every peer's region *on its own device*: the mapping is a tensor on this rank's GPU whose
 memory lives on the peer's GPU, reached over NVLink/P2P. So `get` is a plain device copy and
-`accumulate` a Triton kernel doing atomic adds straight into the owner's fp32 accumulator, both
-enqueued on the caller's current stream; the owner does nothing.
+`accumulate` a Triton kernel, both enqueued on the caller's current stream: under "direct" it adds with
+system-scope atomics straight into the owner's fp32 accumulator and the owner does nothing; under
+"slots" (slots.py) it adds without atomics into the sender's own slot in the owner's memory, and the
+owner folds its slots at the barrier.
 
 The barrier pushes: each rank writes its epoch into its own slot of every peer's arrival array (a
 release store at system scope, after the whole device is synchronized) and then polls its own array.
@@ -17,7 +19,9 @@ Ordering, and why it holds without luck:
 - accumulate -> barrier: a rank's adds are device-complete (host synchronize) before its arrival flags
   are released; the owner leaves the barrier only after seeing every flag, so kernels it launches
   afterwards (reading its accumulator) start after every peer's adds were performed in its memory.
-- concurrent writers: adds into one word from several GPUs are atomic at system scope; no locks.
+- concurrent writers: adds into one word from several GPUs are atomic at system scope; no locks. Under
+  "slots" every word has one writer; the fold runs after the barrier's meeting (every sender's adds are
+  device-complete before its arrival), and a second meeting follows it before any sender adds again.
 - failure notices (base.py) are a region like any other: a rank posts its own with a local store
   after a device synchronize, peers read them with `get` in their waits.
 
@@ -30,9 +34,10 @@ every mapping, meets the peers, then drops the region, so its block is freed at 
 segment goes back to the device at the next `torch.cuda.empty_cache()` (verl's, after it offloads).
 
 Needs: Triton (the `gpu` extra), every rank on one node, peer access between the GPUs, with native P2P
-atomics (NVLink) when ranks are on different GPUs, and no expandable_segments in torch's allocator
-(checked when the transport starts: cuda_ipc_setup.py, and peer_atomics.py, which runs the real kernel
-and checks the sums; a peer's GPU need not be visible to a rank's process). Verified only on a GPU
+atomics (NVLink) for "direct" when ranks are on different GPUs, and no expandable_segments in torch's
+allocator (checked when the transport starts: cuda_ipc_setup.py, and peer_atomics.py, which runs the real
+kernel and checks the sums; where the atomics fail that check, "auto" takes "slots" and checks those
+instead; a peer's GPU need not be visible to a rank's process). Verified only on a GPU
 machine (tests/comm/test_gpu_cuda_ipc.py, ranks sharing one GPU; never across separate GPUs); nothing
 here runs on CPU.
 """
@@ -46,14 +51,14 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from . import peer_atomics
-from .base import Region, Transport
+from .base import ACCUMULATE_METHODS, Region, Transport
 from .cuda_ipc_setup import ProcessGpus, first_line, open_error, setup_error
 
 _BARRIER = "odc.barrier"
 
 
 class CudaIpcTransport(Transport):
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, accumulate: str = "auto"):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc transport needs CUDA; on CPU use 'shm'")
@@ -77,15 +82,29 @@ class CudaIpcTransport(Transport):
         self._arrivals = self._alloc_control(_BARRIER, self.world_size, torch.int64)
         self._arrivals_host = torch.zeros(self.world_size, dtype=torch.int64, pin_memory=True)
         self._alloc_failure_notices()
-        # Adds into another GPU's memory are exact only with native peer atomics: checked, not trusted.
+        # Adds into another GPU's memory are exact only with native peer atomics: checked, not trusted; where
+        # they fail, "auto" takes the slots, which need none, and checks those.
         mine = self._gpus[self.rank].visible
         devices = [mine.index(g.gpu) if g.gpu in mine else None for g in self._gpus]
-        self.probe_s = peer_atomics.check(self, [g.gpu for g in self._gpus], devices, group)
+        self.set_accumulate_method("slots" if accumulate == "slots" else "direct")
+        self.probe_fallback: str | None = None  # why "auto" fell back to slots
+        try:
+            self.probe_s = peer_atomics.check(self, [g.gpu for g in self._gpus], devices, group)
+        except peer_atomics.PeerAddsError as e:  # every rank raises it alike, from every rank's findings
+            if accumulate != "auto":
+                raise
+            self.probe_fallback = str(e)
+            self.set_accumulate_method("slots")
+            self.probe_s = peer_atomics.check(self, [g.gpu for g in self._gpus], devices, group)
+
+    def accumulate_methods(self) -> tuple[str, ...]:
+        return ACCUMULATE_METHODS
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         self._check_alloc(name, numel, dtype, self._peers)
+        total = self._allocated_numel(name, numel, dtype)
         before = torch.cuda.memory_allocated(self.device)
-        own, pool = _shareable_zeros(numel, dtype, self.device)
+        own, pool = _shareable_zeros(total, dtype, self.device)
         nbytes = torch.cuda.memory_allocated(self.device) - before
         # The zeros must be in memory before any peer can write into the region; the collective below
         # only starts once this has returned.
@@ -109,14 +128,16 @@ class CudaIpcTransport(Transport):
         dist.all_gather_object(errors, error, group=self.group)
         self._raise_first_error(errors)
         self._own[name], self._pools[name], self._bytes[name] = own, pool, nbytes
-        self._peers[name] = [t[:numel] for t in peers]
-        return Region(name, numel, dtype, self._peers[name][self.rank])
+        self._peers[name] = [t[:total] for t in peers]
+        self._allocated(name, numel, dtype, own[:total])
+        return Region(name, numel, dtype, own[:numel])
 
     def free(self, name: str) -> None:
         self._check_free(name, self._peers)
         torch.cuda.synchronize(self.device)  # nothing enqueued may still read or write the region
         # Dropping the mappings closes the handles, and each drop tells its owner this rank let go.
         del self._peers[name]
+        self._accumulators.pop(name, None)
         dist.barrier(group=self.group)
         # Every peer has let go: the block is freed now, not parked until a later torch.cuda.ipc_collect().
         del self._own[name], self._bytes[name]
@@ -164,11 +185,20 @@ class CudaIpcTransport(Transport):
         n = self._check_transfer(region, peer, offset, src, "src")
         if region.dtype != torch.float32:
             raise TypeError(f"accumulate needs a float32 region, '{region.name}' is {region.dtype}")
+        full = self._peers[region.name][peer]
+        slot = self._slot(region, full, peer)
+        if slot is not None:
+            self._kernels.add(slot[offset : offset + n], src)  # no other writer: no atomics
+            return
         # Each rank starts at its own tile of the range, so the owner's concurrent writers spread out.
-        dst = self._peers[region.name][peer][offset : offset + n]
+        dst = full[offset : offset + n]
         self._kernels.accumulate(dst, src, scope="sys", sender=self.rank, senders=self.world_size)
 
     def barrier(self, timeout_s: float) -> None:
+        self._meet(timeout_s)
+        self._fold_slots(self._meet, timeout_s)
+
+    def _meet(self, timeout_s: float) -> None:
         self._check_wait(timeout_s)
         epoch = self._next_epoch()
         # Host-synchronizing the device waits for every stream this rank enqueued gets and accumulates on

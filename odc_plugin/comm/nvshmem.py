@@ -267,6 +267,10 @@ class NvshmemTransport(Transport):
         self._folded = [0] * W  # slots this rank folded from each sender
         self._publish_zeroed()
         self._alloc_failure_notices()
+        self._accumulate_method = "staged"
+
+    def accumulate_methods(self) -> tuple[str, ...]:
+        return ("staged",)
 
     # -- symmetric memory -------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ of GPUs that fails) and into one range all of them hit at once (which needs atom
 the sums, which are exact in fp32. Where a process sees both GPUs of a pair, CUDA is also asked whether
 they have native peer atomics (`native_atomics`). Every rank gathers every rank's findings and reaches
 the same decision (`probe_error`, a pure function tested on CPU), so all fail at start with one line, or
-none does.
+none does. The same probe checks the "slots" method (slots.py), whose adds need no peer atomics: there a
+wrong sum means the link loses plain writes, and CUDA's answer about atomics does not matter.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ TIMEOUT_S = 600.0
 _PERIOD = 5  # the pattern: element i of sender s adds (s + 1) * (i % 5 + 1)
 # CUdevice_P2PAttribute's CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED (cuda.h).
 _NATIVE_ATOMIC_SUPPORTED = 3
+
+
+class PeerAddsError(RuntimeError):
+    """The start-up check found adds into a peer's memory that are not exact (the same on every rank)."""
 
 
 @dataclass(frozen=True)
@@ -103,21 +108,29 @@ def native_atomics(device: int, peer_devices: Sequence[int | None]) -> list[bool
 
 
 def probe_error(
-    mismatches: Sequence[Mismatch], gpus: Sequence[str], native: Sequence[Sequence[bool | None]]
+    mismatches: Sequence[Mismatch], gpus: Sequence[str], native: Sequence[Sequence[bool | None]], method: str = "direct"
 ) -> str | None:
     """The one-line error every rank raises at start, or None. `mismatches` from every rank, `gpus[r]`
-    the GPU of rank r (its UUID), `native[r][p]` what CUDA told rank r of atomics into rank p's GPU."""
-    advice = (
-        "these GPUs lack native peer atomics (e.g. PCIe without NVLink), so gradients added into a peer's "
-        "memory can be wrong; use strategy=fsdp2, or odc_transport=nvshmem (adds without remote atomics)"
-    )
-    for sender, answers in enumerate(native):
-        for owner, answer in enumerate(answers):
-            if answer is False:
-                return (
-                    f"cuda_ipc: CUDA reports no native atomics from rank {sender}'s GPU {gpus[sender]} to rank "
-                    f"{owner}'s GPU {gpus[owner]}: {advice}"
-                )
+    the GPU of rank r (its UUID), `native[r][p]` what CUDA told rank r of atomics into rank p's GPU,
+    `method` the accumulate method checked ("direct": peer atomics, "slots": plain adds, no atomics)."""
+    if method == "slots":
+        checked = "peer adds (odc_accumulate=slots)"
+        advice = (
+            "writes into a peer's memory are lost on this link, so ODC cannot add gradients there; use strategy=fsdp2"
+        )
+    else:
+        checked = "peer atomics"
+        advice = (
+            "these GPUs lack native peer atomics (e.g. PCIe without NVLink), so gradients added into a peer's memory "
+            "can be wrong; set odc_accumulate=slots or auto (adds without peer atomics), or use strategy=fsdp2"
+        )
+        for sender, answers in enumerate(native):
+            for owner, answer in enumerate(answers):
+                if answer is False:
+                    return (
+                        f"cuda_ipc: CUDA reports no native atomics from rank {sender}'s GPU {gpus[sender]} to rank "
+                        f"{owner}'s GPU {gpus[owner]}: {advice}"
+                    )
     if not mismatches:
         return None
     # a sender's own range names the pair of GPUs; the shared one only that concurrent adds went wrong
@@ -128,16 +141,17 @@ def probe_error(
     else:
         what = f"adds from rank {first.sender}'s GPU {gpus[first.sender]} into {into}"
     return (
-        f"cuda_ipc: the start-up check of peer atomics failed: {what} gave {first.got:g} where {first.expected:g} "
+        f"cuda_ipc: the start-up check of {checked} failed: {what} gave {first.got:g} where {first.expected:g} "
         f"was added (element {first.index}; {len(mismatches)} range(s) wrong): {advice}"
     )
 
 
 def check(transport: Transport, gpus: Sequence[str], peer_devices: Sequence[int | None], group=None) -> float:
-    """Collective, when a GPU transport starts: run the probe, ask CUDA, and raise the same one-line
-    RuntimeError on every rank if any pair of GPUs failed; `gpus[r]` is rank r's GPU, `peer_devices[r]`
-    its index in this process (None if not visible). A rank whose probe raises announces it, so that no
-    peer waits out the probe's barrier, and every rank raises its message. Returns the seconds it took."""
+    """Collective, when a GPU transport starts: run the probe with the transport's accumulate method, ask
+    CUDA, and raise the same one-line PeerAddsError on every rank if any pair of GPUs failed; `gpus[r]` is
+    rank r's GPU, `peer_devices[r]` its index in this process (None if not visible). A rank whose probe
+    raises announces it, so that no peer waits out the probe's barrier, and every rank raises its message
+    (a RuntimeError). Returns the seconds it took."""
     start = time.perf_counter()
     failure = None
     try:
@@ -153,9 +167,12 @@ def check(transport: Transport, gpus: Sequence[str], peer_devices: Sequence[int 
     report = (failure, mismatches, native_atomics(device, peer_devices) if device is not None else [])
     reports: list = [None] * transport.world_size
     dist.all_gather_object(reports, report, group=group)
-    error = next((f for f, _, _ in reports if f), None) or probe_error(
-        [m for _, ms, _ in reports for m in ms], gpus, [n for _, _, n in reports]
+    failed = next((f for f, _, _ in reports if f), None)
+    if failed:
+        raise RuntimeError(failed.splitlines()[0])
+    error = probe_error(
+        [m for _, ms, _ in reports for m in ms], gpus, [n for _, _, n in reports], transport.accumulate_method
     )
     if error:
-        raise RuntimeError(error.splitlines()[0])
+        raise PeerAddsError(error)
     return time.perf_counter() - start

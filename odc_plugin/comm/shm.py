@@ -1,9 +1,10 @@
 """Shared-memory transport: ranks on one machine, CPU tensors.
 
 Every region is one file per rank in /dev/shm, mapped by all ranks of the group. A `get` is a plain copy
-out of the peer's mapping. An `accumulate` takes a POSIX record lock on exactly the bytes it adds into,
-so writers to disjoint ranges run in parallel and writers to the same range serialize; the kernel drops
-the lock if its holder dies, so a killed rank cannot wedge the others.
+out of the peer's mapping. An `accumulate` ("direct") takes a POSIX record lock on exactly the bytes it
+adds into, so writers to disjoint ranges run in parallel and writers to the same range serialize; the
+kernel drops the lock if its holder dies, so a killed rank cannot wedge the others. Under "slots"
+(slots.py) it adds into its own slot of the owner's file with no lock.
 
 A waiting rank sleeps in the kernel and takes no core: every rank owns a doorbell word that it bumps
 (and wakes its sleepers on) whenever it raises one of its flags, and a rank waiting for a peer's flag
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import futex
-from .base import ODCTimeoutError, Region, Transport
+from .base import ACCUMULATE_METHODS, ODCTimeoutError, Region, Transport
 
 _SHM_DIR = "/dev/shm"
 # A region file's name; `creator` is the pid of the process that created it.
@@ -134,9 +135,13 @@ class ShmTransport(Transport):
         self._arrivals = self._alloc_control("odc.barrier", 1, torch.int64)
         self._alloc_failure_notices()
 
+    def accumulate_methods(self) -> tuple[str, ...]:
+        return ACCUMULATE_METHODS
+
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         self._check_alloc(name, numel, dtype, self._mappings)
-        nbytes = numel * dtype.itemsize
+        total = self._allocated_numel(name, numel, dtype)
+        nbytes = total * dtype.itemsize
         paths = [f"{self.path_prefix}-{name}-r{r}-p{pid}" for r, pid in enumerate(self._pids)]
         mappings: list[_Mapping] = []
         try:
@@ -162,14 +167,16 @@ class ShmTransport(Transport):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         self._mappings[name] = mappings
-        self._peer_tensors[name] = [m.tensor(dtype, numel) for m in mappings]
-        return Region(name, numel, dtype, self._peer_tensors[name][self.rank])
+        self._peer_tensors[name] = [m.tensor(dtype, total) for m in mappings]
+        self._allocated(name, numel, dtype, self._peer_tensors[name][self.rank])
+        return Region(name, numel, dtype, self._peer_tensors[name][self.rank][:numel])
 
     def free(self, name: str) -> None:
         # Local: a peer still mapping its own copy of this rank's file keeps only its own mapping alive, and
         # every file was unlinked at set-up, so nothing is left to meet about.
         self._check_free(name, self._mappings)
         del self._peer_tensors[name]
+        self._accumulators.pop(name, None)
         for m in self._mappings.pop(name):
             m.close()
 
@@ -187,10 +194,14 @@ class ShmTransport(Transport):
 
     def accumulate(self, region: Region, peer: int, offset: int, src: torch.Tensor) -> None:
         n = self._check_transfer(region, peer, offset, src, "src")
+        full = self._peer_tensors[region.name][peer]
+        slot = self._slot(region, full, peer)
+        if slot is not None:
+            slot[offset : offset + n].add_(src.reshape(-1))  # no other writer
+            return
         itemsize = region.dtype.itemsize
-        dst = self._peer_tensors[region.name][peer][offset : offset + n]
         with self._locked(self._mappings[region.name][peer].fd, offset * itemsize, n * itemsize):
-            dst.add_(src.reshape(-1))
+            full[offset : offset + n].add_(src.reshape(-1))
 
     @contextlib.contextmanager
     def _locked(self, fd: int, start: int, nbytes: int):
@@ -231,12 +242,16 @@ class ShmTransport(Transport):
             futex.wait(bells[peer].data_ptr(), rung, min(left, _RECHECK_S))
 
     def barrier(self, timeout_s: float) -> None:
+        self._meet(timeout_s)
+        self._fold_slots(self._meet, timeout_s)
+
+    def _meet(self, timeout_s: float) -> None:
         # Each rank writes its arrival (the epoch) into its own word and waits for everyone else's. A rank
         # that times out writes -epoch instead: it gave up, and a rank arriving after that must fail here
         # rather than pass a barrier its peers have left. Arriving and the final decision (pass, give up
         # or fail) happen under one lock, so a late arrival is either seen by the rank that would give up,
-        # or sees that it gave up. Accumulates finished under their own lock before the arrival;
-        # unlocking is a system call, so the adds are in memory before any peer can see the epoch.
+        # or sees that it gave up. Accumulates finished before the arrival, which is written under the
+        # lock: taking it is a system call, so the adds are in memory before any peer can see the epoch.
         self._check_wait(timeout_s)
         epoch, words = self._next_epoch(), [t[0] for t in self._peer_tensors["odc.barrier"]]
         decision_lock = (self._mappings["odc.barrier"][0].fd, 0, 8)

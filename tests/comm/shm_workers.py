@@ -7,9 +7,9 @@ import torch
 from odc_plugin.comm import make_transport
 
 
-def concurrent_accumulate(rank, world_size, rounds):
+def concurrent_accumulate(rank, world_size, rounds, method="direct"):
     """Every rank adds into every owner's region many times at once; nothing may be lost."""
-    t = make_transport("shm")
+    t = make_transport("shm", accumulate=method)
     acc = t.alloc("acc", 1000, torch.float32)
     params = t.alloc("params", 64, torch.uint8)
     params.local.copy_(torch.arange(64, dtype=torch.uint8) + rank)
@@ -218,3 +218,30 @@ def transport_prefix(rank, world_size):
     prefix = t.path_prefix
     t.close()
     return prefix
+
+
+def accumulate_between_barriers(rank, world_size, rounds, method):
+    """Every rank adds into every owner at once, then meets them, `rounds` times, adding again as soon as it
+    leaves a barrier (as the lockstep baseline does); after every barrier each owner's accumulator holds
+    every add so far. Returns the sums seen after each barrier, the region's bytes and what a change of
+    method said while the accumulator existed."""
+    t = make_transport("shm", accumulate=method)
+    acc = t.alloc("acc", 777, torch.float32)
+    sums = []
+    for r in range(rounds):
+        for k in range(world_size):
+            t.accumulate(acc, (rank + k) % world_size, 0, torch.full((777,), float(rank + 1 + r)))
+        t.barrier(60)
+        sums.append(acc.local.unique().tolist())
+    other = "direct" if method == "slots" else "slots"
+    try:
+        t.set_accumulate_method(other)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    nbytes = t.region_bytes(acc)
+    del acc
+    t.free("acc")
+    t.set_accumulate_method(other)  # no accumulator left: allowed
+    t.close()
+    return {"sums": sums, "bytes": nbytes, "refused": refused}

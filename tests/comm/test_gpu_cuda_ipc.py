@@ -16,9 +16,12 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("method", ["direct", "slots"])
 @pytest.mark.parametrize("world", [1, 3])
-def test_conformance(world):
-    for rank, res in enumerate(run_ranks(transport_workers.conformance, world, "cuda_ipc", {}, timeout_s=300)):
+def test_conformance(world, method):
+    """Gets, and adds from every rank into every owner at once, exact under both accumulate methods."""
+    options = {"accumulate": method}
+    for rank, res in enumerate(run_ranks(transport_workers.conformance, world, "cuda_ipc", options, timeout_s=300)):
         assert res == {"gets": True, "first": True, "second": True}, rank
 
 

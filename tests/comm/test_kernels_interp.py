@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from odc_plugin.comm.nvshmem import HEADER_BYTES, pack_slot
+from odc_plugin.comm.slots import Slots
 from odc_plugin.comm.tiling import PROGRAMS, TILE
 
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "odc_plugin" / "comm" / "kernels.py"
@@ -88,6 +89,20 @@ def check_kernels(kernels, device):
     fp32_slot = torch.zeros(numel, device=device)
     kernels.store(fp32_slot, grads[1])  # converted on the way in
     assert torch.equal(fp32_slot, grads[1].float())
+
+    # cuda_ipc's "slots" method: 3 senders add, several times each, fp32 and bf16, without atomics into their
+    # own slots of an owner's allocation (the slot found as the transport finds it), the owner adds its own
+    # straight into the accumulator, and its fold gives what atomic adds into the accumulator give.
+    numel, owner = ODD_SIZES[-1], 1
+    full = torch.zeros(Slots.allocated_numel(numel, 3), device=device)
+    slots, direct = Slots(numel, 3, full), torch.zeros(numel, device=device)
+    for sender, grad in enumerate(grads):
+        for dtype in (torch.float32, torch.bfloat16):
+            into = full[:numel] if sender == owner else slots.slot_in(full, sender, owner)
+            kernels.add(into[5:], grad[5:].to(dtype))
+            kernels.accumulate(direct[5:], grad[5:].to(dtype), sender=sender, senders=3)
+    slots.fold()
+    assert torch.equal(full[:numel], direct) and full[numel:].eq(0).all()
 
     # The grid is bounded whatever the size, and each sender's launch starts at its own tile.
     with recorded_launches(kernels) as launches:

@@ -11,7 +11,7 @@ from . import transport_workers
 
 GPUS = ["GPU-a", "GPU-b", "GPU-c"]
 UNKNOWN = [[None] * 3] * 3
-ADVICE = "use strategy=fsdp2, or odc_transport=nvshmem (adds without remote atomics)"
+ADVICE = "set odc_accumulate=slots or auto (adds without peer atomics), or use strategy=fsdp2"
 
 
 def test_exact_sums_and_no_refusal_from_cuda_pass():
@@ -46,4 +46,25 @@ def test_the_check_over_three_shm_ranks_passes_with_exact_adds_and_fails_every_r
     assert errors[0].startswith(
         "cuda_ipc: the start-up check of peer atomics failed: adds from rank 1's GPU GPU-1 into rank 2's GPU GPU-2 "
         "gave 0 where 8 was added (element 0; 2 range(s) wrong)"
+    ), errors[0]
+
+
+def test_under_slots_cuda_s_answer_about_atomics_does_not_matter_and_a_wrong_sum_names_the_method():
+    native = [[None, False, False], [False, None, False], [False, False, None]]
+    assert probe_error([], GPUS, native, "slots") is None
+    error = probe_error([Mismatch(2, 1, 3, 8.0, 6.0)], GPUS, native, "slots")
+    assert error.startswith(
+        "cuda_ipc: the start-up check of peer adds (odc_accumulate=slots) failed: adds from rank 1's GPU GPU-b into "
+        "rank 2's GPU GPU-c gave 6 where 8 was added"
+    )
+    assert error.endswith("use strategy=fsdp2") and "\n" not in error
+
+
+def test_the_check_of_slots_over_three_shm_ranks_passes_and_fails_every_rank_alike_when_a_pair_loses_one():
+    assert run_ranks(transport_workers.peer_atomics_check, 3, None, "slots") == ["passed"] * 3
+    errors = run_ranks(transport_workers.peer_atomics_check, 3, (1, 2), "slots")
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith(
+        "cuda_ipc: the start-up check of peer adds (odc_accumulate=slots) failed: adds from rank 1's GPU GPU-1 into "
+        "rank 2's GPU GPU-2 gave 0 where 8 was added (element 0; 2 range(s) wrong)"
     ), errors[0]

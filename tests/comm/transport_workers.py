@@ -151,10 +151,11 @@ def heap_too_small(rank, world_size):
     return "no error"
 
 
-def peer_atomics_check(rank, world_size, lossy_pair):
-    """The start-up check of peer atomics over shm, every add exact, or, with `lossy_pair` = (sender,
-    owner), over a shm transport whose adds from `sender` into `owner` lose the first element's update (a
-    GPU pair without native peer atomics). Returns what `check` raised on this rank, or the mismatches."""
+def peer_atomics_check(rank, world_size, lossy_pair, method="direct"):
+    """The start-up check of peer atomics over shm with accumulate `method`, every add exact, or, with
+    `lossy_pair` = (sender, owner), over a shm transport whose adds from `sender` into `owner` lose the first
+    element's update (a GPU pair without native peer atomics). Returns what `check` raised on this rank, or
+    "passed"."""
     from odc_plugin.comm import peer_atomics
     from odc_plugin.comm.shm import ShmTransport
 
@@ -166,6 +167,7 @@ def peer_atomics_check(rank, world_size, lossy_pair):
             super().accumulate(region, peer, offset, src)
 
     transport = LosesUpdates()
+    transport.set_accumulate_method(method)
     gpus = [f"GPU-{r}" for r in range(world_size)]
     try:
         peer_atomics.check(transport, gpus, [None] * world_size)
