@@ -9,14 +9,19 @@ ranks (`main_ppo`, odc-grpo-cpu's configuration with the KL loss, so that the re
 - `separate_async` is refused in one line when the trainer is built (tests/verl/test_patches.py); it
   cannot run on CPU under any strategy (its standalone rollout needs an nccl, nixl or mooncake
   checkpoint engine).
+- verl's legacy trainer (`trainer.use_v1=False`, `main_ppo_v0`), as a user would try it with several
+  mini-batches: fsdp2 trains, and its metrics (which log the agent loop's counts under timing_s/) make an A/B
+  report; odc is refused in one line naming trainer.use_v1, before any worker starts.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from odc_plugin.verl import ab_report
 from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
+from odc_plugin.verl.trainer import LEGACY_REFUSAL
 from tests.verl import golden
 from tests.verl.trainer_runs import close, relative_difference, train
 
@@ -30,6 +35,7 @@ COLOCATE_ASYNC = [
     "trainer.v1.sampler.max_off_policy_strategy=wait",
     *golden.KL_LOSS,
 ]
+LEGACY = ["trainer.use_v1=False", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
 # the FSDP passes of this job, each planned by LB-Mini under odc (odc_balance/<pass>/...)
 PLANNED = ("odc_balance/efficiency", "odc_balance/old_log_prob/efficiency", "odc_balance/ref_log_prob/efficiency")
 
@@ -59,3 +65,21 @@ def test_colocate_async_trains_under_odc_as_under_fsdp2_step_by_step(colocate_as
         assert all(key in b for key in PLANNED) and not any(key in a for key in PLANNED), step
     assert fsdp2.metrics[STEPS]["training/off_policy/trajectory_staleness/max"] >= 1  # really asynchronous
     print(f"colocate_async, odc against fsdp2: worst relative difference {worst:.2g}")  # README's settings table
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory):
+    out, assets = tmp_path_factory.mktemp("trainer_modes"), ensure_assets()
+    return {s: train(out, assets, "legacy", s, STEPS, LEGACY, timeout_s=600) for s in grpo.STRATEGIES}
+
+
+def test_the_legacy_trainer_trains_fsdp2_and_refuses_odc_in_one_line_at_start(legacy, capsys):
+    fsdp2, odc = (legacy[s] for s in grpo.STRATEGIES)
+    fsdp2.assert_ok(STEPS)
+    assert fsdp2.metrics[1]["timing_s/agent_loop/num_preempted/min"] == -1  # a count, logged under timing_s/
+    assert ab_report.main([fsdp2.result.metrics_file, fsdp2.result.metrics_file]) == 0
+    assert "update phase s/step" in capsys.readouterr().out
+    assert odc.result.returncode != 0 and odc.result.steps == 0 and not odc.metrics
+    assert grpo.last_error(odc.result.log_file).endswith(f"ValueError: {LEGACY_REFUSAL}")
+    assert "odc: ODCEngine" not in odc.log()  # refused by the trainer, before any worker started
+    assert not grpo.ray_processes(odc.result.ray_dir)
