@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from .base import (
     ACCUMULATE_METHODS,
+    AccumulateMethod,
     DelegatingTransport,
     ODCError,
     ODCPeerFailedError,
@@ -18,7 +19,8 @@ from .base import (
 
 TransportName = Literal["auto", "shm", "cuda_ipc", "nvshmem"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
-ACCUMULATE_CHOICES: tuple[str, ...] = ("auto", *ACCUMULATE_METHODS)
+AccumulateChoice = Literal["auto", AccumulateMethod]
+ACCUMULATE_CHOICES: tuple[str, ...] = get_args(AccumulateChoice)
 
 
 def make_transport(
@@ -64,6 +66,7 @@ def make_transport(
 
 
 __all__ = [
+    "AccumulateChoice",
     "ACCUMULATE_CHOICES",
     "ACCUMULATE_METHODS",
     "DelegatingTransport",

@@ -98,7 +98,7 @@ class CudaIpcTransport(Transport):
             self.probe_s = peer_atomics.check(self, [g.gpu for g in self._gpus], devices, group)
 
     def accumulate_methods(self) -> tuple[str, ...]:
-        return ACCUMULATE_METHODS
+        return ("slots",) if self.probe_fallback else ACCUMULATE_METHODS
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         self._check_alloc(name, numel, dtype, self._peers)

@@ -82,6 +82,11 @@ def grad_slots(group) -> list[ParamSlot]:
     return slots
 
 
+def reduce_dtype(group) -> torch.dtype | None:
+    """The dtype FSDP reduce-scatters `group`'s gradients in (after lazy init); None where nothing trains."""
+    return group._reduce_dtype
+
+
 def on_compute_stream(group, device: torch.device) -> bool:
     """Whether FSDP is allocating for `group`'s reduce-scatter on the compute stream (its input) rather
     than on the reduce-scatter stream FSDP keeps in the group's comm context (its output). CPU: False."""

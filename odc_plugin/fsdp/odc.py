@@ -45,6 +45,8 @@ import functools
 import hashlib
 import itertools
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm import ODCError, ODCPeerFailedError, ODCTimeoutError, Transport
 from ..comm.base import FailureNotice, first_failure, is_positive_finite
+from ..comm.calibrate import Bucket, TransportCalibration, calibrate
 from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
 from ._fsdp_internals import AllGather, ReduceScatter
@@ -213,6 +216,7 @@ class OnDemandComm:
             name = f"{next(_INSTANCES)}-{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}"
             self._replicas = StoreBarrier(ranks, dist.get_rank(), name)
         self.layouts: list[_GroupLayout] = []
+        self._gather_dtype = torch.uint8
         param_bytes = grad_numel = num_slots = 0
         for _, groups in modules_and_groups:
             if self.world_size > 1 and len(groups) > 1:
@@ -225,6 +229,8 @@ class OnDemandComm:
                 nbytes = shard.numel() * shard.element_size()
                 slots = fsdp_internals.grad_slots(group)
                 self.layouts.append(_GroupLayout(group, param_bytes, nbytes, grad_numel, num_slots, slots))
+                # what gathers move (bytes where a group mixes dtypes): calibrate()'s gathers
+                self._gather_dtype = shard.dtype if shard.dtype != torch.uint8 else self._gather_dtype
                 param_bytes += nbytes
                 grad_numel += sum(s.padded_numel for s in slots)
                 num_slots += len(slots)
@@ -327,6 +333,34 @@ class OnDemandComm:
         self._gradients, self._ones = None, None
         for name in names:
             self.transport.free(name)
+
+    def calibrate(
+        self, methods: Sequence[str] | None = None, slots_budget_bytes: int | None = None, repeats: int = 2
+    ) -> TransportCalibration:
+        """Collective, while released: time the transport against the shard group's all-gather and reduce-
+        scatter at this model's FSDP groups (one rank's shard of each: what it gathers, and what it adds
+        into each owner in a backward), and set the fastest of `methods` (default: every one the transport
+        offers) for the accumulator built next (odc_plugin/comm/calibrate.py)."""
+        self._check_usable()
+        if not self.released:
+            raise RuntimeError("calibrate() measures with regions of its own: release() the model's first")
+        sizes: Counter[int] = Counter()
+        for layout in self.layouts:
+            numel = sum(s.padded_numel for s in layout.slots) or layout.param_nbytes // self._gather_dtype.itemsize
+            sizes[max(numel, 1)] += 1
+        return calibrate(
+            self.transport,
+            self.mesh.shard_group,
+            [Bucket(numel, count) for numel, count in sorted(sizes.items())],
+            gather_dtype=self._gather_dtype,
+            reduce_dtype=next(
+                (d for d in map(fsdp_internals.reduce_dtype, (x.group for x in self.layouts)) if d), torch.float32
+            ),
+            methods=methods,
+            slots_budget_bytes=slots_budget_bytes,
+            repeats=repeats,
+            timeout_s=self.config.barrier_timeout_s,
+        )
 
     def memory_bytes(self) -> ODCMemory:
         """What this rank's ODC holds for the model now, as its transport allocated it, against stock FSDP2."""

@@ -5,7 +5,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from verl.workers.config.engine import EngineConfig, FSDPEngineConfig
 
-from ..comm import TransportName
+from ..comm import AccumulateChoice, TransportName
 from ..comm.base import is_positive_finite
 
 # No `from __future__ import annotations` here: __post_init__ reads the Literal choices off the fields'
@@ -28,6 +28,13 @@ class ODCEngineConfig(FSDPEngineConfig):
     """How a rank reaches its peers' memory: `shm` (CPU ranks of one machine), `cuda_ipc` (GPUs of one
     node), `nvshmem` (GPUs of one node; across nodes ODC runs as HSDP, `fsdp_size` = GPUs per node);
     `auto` picks by device and by where the ranks are."""
+
+    odc_accumulate: AccumulateChoice = "auto"
+    """How gradients are added into their owners' accumulators: `direct` (peer atomics on GPUs, locks on CPU),
+    `slots` (each sender adds into a slot of its own, the owner folds them at the barrier: no atomics, one
+    more copy of the accumulator per peer), or `auto`: the faster of the two as measured when the engine
+    starts, `slots` only where its extra memory is under a quarter of the GPU's free memory then (and
+    wherever the GPUs' peer atomics fail their start-up check)."""
 
     odc_balancer: Balancer = "lb_mini"
     """How the trainer spreads each mini-batch over ranks: `lb_mini` balances each rank's total cost (counts

@@ -32,6 +32,10 @@ when verl leaves the engine's train or eval mode (the outermost, and only withou
 leave alike then), when it offloads the model to the CPU (`to`), and once the engine is initialized, so
 that nothing of ODC's but its transport's control words is left on the device while the rollout (which
 runs between phases, on the same GPUs) generates, offload on or off; the reference model's regions too.
+A trained model's engine measures ODC's transport against the group's collectives once, when it is
+initialized, at its own FSDP groups (comm/calibrate.py, a fraction of a second): the accumulate method
+(`odc_accumulate`) is chosen there, one log line says what was measured, a warning where ODC's transport
+is under half as fast, and the figures are reported with every update as `odc/transport/*`.
 Metrics per role: `odc/held_outside_bytes` (what ODC held when last released: 0),
 `odc/control_bytes`, `odc/extra_bytes_per_param` during a mini-batch, `odc/rebuild_s` (building and
 releasing since the last report, so per step); the reference model's, which verl keeps no metrics of,
@@ -58,6 +62,7 @@ import odc_patches
 
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit
 from ..comm import ODCPeerFailedError, make_transport
+from ..comm.calibrate import TransportCalibration
 from ..fsdp import ODCConfig, apply_odc, shard_group
 from ..moe import ExpertRouting, routing_metrics
 from .config import as_odc_config
@@ -65,6 +70,8 @@ from .dispatch import STEPS_KEY
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # verl's own modules' convention
+# Below this (the collectives' time over ODC's transport's), the run warns at start that odc will likely be slower.
+SLOW_TRANSPORT_RATIO = 0.5
 # The odc engines of this process: a trained one reports the forward-only ones' memory (the reference model's)
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
 
@@ -100,7 +107,9 @@ class _ODCEngineMixin:
         odc_config = as_odc_config(self.engine_config)
         with _built_as_fsdp2(self.engine_config):
             module = super()._build_fsdp_module(module)
-        transport = make_transport(odc_config.odc_transport, group=shard_group(module))
+        transport = make_transport(
+            odc_config.odc_transport, group=shard_group(module), accumulate=odc_config.odc_accumulate
+        )
         self.odc = apply_odc(
             module,
             transport,
@@ -114,6 +123,7 @@ class _ODCEngineMixin:
             OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
         )
         self.expert_routing = ExpertRouting.of(module)
+        self.odc_calibration: TransportCalibration | None = None  # a trained model's, once initialized
         self._odc_phases = 0  # train/eval modes entered and not left
         self._odc_held_outside = 0  # ODC's bytes, control words aside, when it was last released
         self._odc_reported_s: dict[int, float] = {}  # build_s of each engine this one last reported
@@ -132,6 +142,35 @@ class _ODCEngineMixin:
     def initialize(self):
         super().initialize()
         self._odc_release()  # nothing held until the engine first computes: the rollout starts after this
+        self.odc_calibration = None if self.engine_config.forward_only else self._odc_calibrate()
+
+    def _odc_calibrate(self) -> TransportCalibration:
+        """ODC's transport against the group's collectives at this model's FSDP groups, once, before the
+        accumulator is first built: the accumulate method it will use (odc_accumulate), one log line, a warning
+        where ODC's transport is much slower than the collectives it replaces."""
+        forced = as_odc_config(self.engine_config).odc_accumulate
+        budget = None
+        if forced == "auto" and torch.cuda.is_available() and torch.cuda.is_initialized():
+            budget = torch.cuda.mem_get_info()[0] // 4  # slots only where they leave the GPU room to train
+        calibration = self.odc.calibrate(None if forced == "auto" else [forced], budget)
+        role = type(self).__name__
+        logger.info(
+            "odc: %s: %s; accumulate method '%s' (odc_accumulate=%s)",
+            role,
+            calibration.summary(),
+            calibration.chosen,
+            forced,
+        )
+        if calibration.ratio < SLOW_TRANSPORT_RATIO:
+            logger.warning(
+                "odc: %s: ODC's transport is only %.2fx %s's collectives on these ranks: strategy=odc will likely "
+                "train slower than strategy=fsdp2 unless the work is very uneven; compare the two (odc-check, or "
+                "odc-grpo-cpu's A/B on your own config)",
+                role,
+                calibration.ratio,
+                calibration.backend,
+            )
+        return calibration
 
     def train_mode(self, **kwargs):
         return self._odc_phase(super().train_mode(**kwargs))
@@ -381,8 +420,11 @@ class _ODCEngineMixin:
                 for key, column in zip(memory, gathered[:, 3:].unbind(1))
             },
         }
+        values = {key: value.item() for key, value in values.items()}
+        if self.odc_calibration is not None:  # alike on every rank and mini-batch: their mean is themselves
+            values.update(self.odc_calibration.metrics())
         # lists, like the loss function's own per-micro-batch metrics, which verl's worker flattens
-        return {key: [value.item()] for key, value in values.items()}
+        return {key: [value] for key, value in values.items()}
 
 
 class _MicroBatchClock:

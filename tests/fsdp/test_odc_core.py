@@ -119,6 +119,27 @@ def test_parameters_equal_single_process_adamw_steps(device):
         torch.testing.assert_close(odc[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("methods", [None, ["slots"]], ids=["calibrated", "slots"])
+def test_after_a_calibration_the_chosen_accumulate_method_trains_as_one_process(methods):
+    seqs = workers.make_sequences(12, seed=6)
+    plan = random_plan(len(seqs), [4, 1, 0], seed=6)
+    results = run_ranks(workers.calibrated_train_steps, 3, seqs, plan, 3, methods)
+    expected = reference_train_steps(seqs, 3)
+    params, calibration, memory = results[0]
+    assert all(c == calibration for _, c, _ in results)
+    # the model's FSDP groups: the root's and the two decoder layers' (one size), one rank's shard of each
+    assert sorted(b.count for b in calibration.buckets) == [1, 2]
+    assert sorted(calibration.accumulate_s) == sorted(methods or ["direct", "slots"])
+    assert calibration.reduce_bytes == 4 * sum(b.numel * b.count for b in calibration.buckets)
+    # the accumulator (gradients and a used flag per parameter) was built with the chosen method: under
+    # slots, one more copy of it per peer
+    copies = 3 if calibration.chosen == "slots" else 1
+    flags = len(list(build_qwen2("tiny", seed=0).parameters()))
+    assert memory.accumulator == copies * (calibration.reduce_bytes + 4 * flags)
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_moe_with_an_expert_one_rank_routes_nothing_to_equals_single_process_adamw_steps():
     """The tiny Qwen3-MoE (experts stacked in one tensor per layer, as transformers 5 builds them, 5 experts
     over 3 ranks: padded shards), uneven micro-batch counts; rank 2 trains one short sequence, so some of

@@ -96,6 +96,17 @@ def train_steps(rank, world_size, seqs, plan, steps, use_odc, mixed_precision, d
     return adamw_steps(model, odc, rank, world_size, on_device(seqs, device), plan, steps)
 
 
+def calibrated_train_steps(rank, world_size, seqs, plan, steps, methods):
+    """train_steps over shm after a calibration among `methods` (None: every one) chose the accumulate
+    method; also what it measured."""
+    model = sharded_model(rank, world_size)
+    odc = apply_odc(model, make_transport("shm"))
+    odc.release()
+    calibration = odc.calibrate(methods, repeats=1)
+    odc.build()
+    return adamw_steps(model, odc, rank, world_size, seqs, plan, steps), calibration, odc.memory_bytes()
+
+
 def train_moe_steps(rank, world_size, seqs, plan, steps):
     """train_steps of the tiny MoE under ODC; also the tokens this rank routed to each expert, per step."""
     model = sharded_model(rank, world_size, arch="qwen3_moe")

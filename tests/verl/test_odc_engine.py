@@ -140,3 +140,10 @@ def test_odc_metrics_reach_the_worker_output(runs):
     metrics = runs[0]["odc"]["metrics"]
     for key in ("odc/compute_s_max", "odc/wait_s_max", "odc/compute_imbalance", "odc/micro_batches_max"):
         assert key in metrics, sorted(metrics)
+    # the transport's calibration at the engine's start: its figures, alike on both ranks, and the one method chosen
+    transport = {k: {float(x) for v in values for x in v} for k, values in metrics.items() if "/transport/" in k}
+    assert all(len(v) == 1 for v in transport.values()), transport
+    for key in ("odc/transport/ratio", "odc/transport/gather_ratio", "odc/transport/accumulate_ratio"):
+        assert min(transport[key]) > 0, key
+    chosen = [k for k, v in transport.items() if k.endswith("_chosen") and v == {1.0}]
+    assert chosen in (["odc/transport/accumulate_direct_chosen"], ["odc/transport/accumulate_slots_chosen"])
