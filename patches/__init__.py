@@ -41,6 +41,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_ulysses_sdpa",
     "cpu_batch_order",
     "cpu_replay_poll",
+    "cpu_sharded_save",
 )
 
 

@@ -488,6 +488,7 @@ from odc_patches import (  # noqa: E402
     cpu_layer_time,
     cpu_offload_unpinned,
     cpu_process_group,
+    cpu_sharded_save,
     cpu_ulysses_sdpa,
     cpu_valuehead_attn,
     hf_rollout_registry,
@@ -498,6 +499,7 @@ CPU_REPLACED = {
     "cpu_process_group": ("verl.workers.engine_workers", "initialize_global_process_group_ray"),
     "cpu_offload_unpinned": ("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy"),
     "cpu_valuehead_attn": ("verl.utils.model", "load_valuehead_model"),
+    "cpu_sharded_save": ("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu"),
 }
 
 
@@ -540,6 +542,7 @@ def test_cpu_patch_list():
         "cpu_ulysses_sdpa",
         "cpu_batch_order",
         "cpu_replay_poll",
+        "cpu_sharded_save",
     )
     for name in CPU_PATCHES:
         patch = importlib.import_module(f"odc_patches.{name}")
@@ -639,6 +642,11 @@ def test_cpu_patches_refuse_changed_targets(stock_cpu):
     stock_cpu.setattr(ulysses, "gather_seq_scatter_heads", lambda x, seq_dim, head_dim, group=None: x)
     with pytest.raises(PatchError, match=r"gather_seq_scatter_heads\(x, seq_dim, head_dim, group\) is not"):
         cpu_ulysses_sdpa.apply()
+    from verl.utils import fsdp_utils
+
+    stock_cpu.setattr(fsdp_utils, "fsdp2_sharded_save_to_cpu", lambda model: ({}, None))  # copies on CPU too now
+    with pytest.raises(PatchError, match=r"fsdp2_sharded_save_to_cpu no longer takes the local shards .cpu\(\)"):
+        cpu_sharded_save.apply()
 
 
 def test_the_layer_time_patch_finds_the_decoder_layers_of_actor_and_critic_models():

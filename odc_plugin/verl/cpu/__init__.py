@@ -2,8 +2,9 @@
 
 Everything here acts only when the environment says VERL_PLATFORM=cpu (and then says so in one log
 line): a `cpu` device platform with gloo (`platform.py`), verl's own FSDP engines registered for
-device cpu, the patches verl needs without an accelerator (`odc_patches.CPU_PATCHES`) and the `hf`
-rollout (`rollout.py`). A GPU run never sets it and is unchanged. Tests, the examples and
+device cpu, the patches verl needs without an accelerator (`odc_patches.CPU_PATCHES`), the `hf`
+rollout (`rollout.py`) and the `gloo` checkpoint engine for a rollout in processes of its own
+(`checkpoint_engine.py`). A GPU run never sets it and is unchanged. Tests, the examples and
 `odc-grpo-cpu` all run verl on CPU through this one module.
 """
 
@@ -35,6 +36,7 @@ def enable(after_import) -> None:
     platform.register()
     after_import("verl.workers.engine", _register_stock_engines)
     after_import("verl.workers.rollout.replica", _register_rollout)
+    after_import("verl.checkpoint_engine.base", _register_checkpoint_engine)
     odc_patches.apply_after_import(after_import, odc_patches.CPU_PATCHES)
     logger.warning(
         "odc_plugin: %s=cpu: verl runs on CPU (gloo process groups, FSDP engines on device cpu, "
@@ -63,3 +65,9 @@ def _register_rollout() -> None:
         return HFReplica
 
     RolloutReplicaRegistry.register(ROLLOUT_NAME, load)
+
+
+def _register_checkpoint_engine() -> None:
+    from .checkpoint_engine import register
+
+    register()

@@ -6,9 +6,11 @@ Three pieces, as verl 0.9.1 wires a rollout backend:
   (`generate`, what verl's agent loop calls through `LLMServerClient`), plus the control calls verl
   makes on every server (sleep, wake_up, caches, abort...), which have nothing to do here.
 - `HFReplica`, registered in verl's `RolloutReplicaRegistry` as `hf`: starts the server.
-- `HFServerAdapter`, the in-worker side verl builds in each training rank (`get_rollout_class`): it
-  receives the trainer's weights through verl's own sync path (`ActorRolloutRefWorker.update_weights`
-  with `checkpoint_engine.backend=naive`) and ships them to its replica's server: full weights (put into
+- `HFServerAdapter`, the in-worker side verl builds in each training rank (`get_rollout_class`), or in a
+  standalone replica's worker: it receives the trainer's weights through verl's own sync path
+  (`ActorRolloutRefWorker.update_weights` with `checkpoint_engine.backend=naive`; a standalone replica's
+  `CheckpointEngineWorker.update_weights` with `gloo`, checkpoint_engine.py) and ships them to its replica's
+  server: full weights (put into
   the model's own layout, `weights.py`: MoE experts fused or not), or with LoRA and `merge=False` the
   base weights once and then the adapter, which the server's model generates with.
 
@@ -37,6 +39,7 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from . import ROLLOUT_NAME
 from .emulation import Emulation
@@ -295,8 +298,9 @@ class HFServerAdapter(BaseRollout):
             raise NotImplementedError(
                 f"rollout '{ROLLOUT_NAME}' takes full weights (wire_format named_tensors), got {wire_format!r}"
             )
-        # Every rank drains the generator: producing each full tensor is a collective over the trainer ranks.
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+        # Every rank drains the generator: producing each full tensor is a collective over the trainer ranks. A
+        # checkpoint engine's (a standalone rollout's) is asynchronous.
+        state = {name: tensor.detach().to("cpu", copy=True) async for name, tensor in ensure_async_iterator(weights)}
         if self.is_leader:
             adapter = peft_config if base_sync_done else None
             await ray.get_actor(server_name(self.replica_rank)).update_weights.remote(state, global_steps, adapter)
