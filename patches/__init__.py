@@ -4,7 +4,8 @@ Two kinds, applied differently:
 
 * **For odc runs** (`PATCHES`): what `strategy=odc` needs of verl's trainer and workers. None of them
   changes a verl class or function: each adds members to the subclasses of verl's classes that odc runs
-  use instead (`odc_subclass`: the trainer of the run's mode, `ActorRolloutRefWorker`, `TrainingWorker`),
+  use instead (`odc_subclass`: the trainer of the run's mode, `ActorRolloutRefWorker` and separate_async's
+  `DetachActorWorker`, `TrainingWorker`),
   through `extend(kind, base, members)`. odc_plugin/verl/trainer.py puts those subclasses in place through
   verl's own extension points, and only when the run's configuration names odc; a run of other
   strategies executes verl's own classes and functions. Their one touch of verl itself is the choice
@@ -28,7 +29,7 @@ import logging
 PATCHED_VERL_VERSION = "0.9.1"
 
 # For odc runs: each extends the odc subclasses, in this order (a later one may wrap an earlier one's member).
-PATCHES: tuple[str, ...] = ("lb_mini_worker", "lb_mini_dispatch", "rank_metrics_agree")
+PATCHES: tuple[str, ...] = ("lb_mini_worker", "lb_mini_dispatch", "rank_metrics_agree", "detach_actor")
 # The classes odc runs subclass, by kind: the trainer class of the run's mode, and the two worker classes.
 KINDS: tuple[str, ...] = ("trainer", "actor_worker", "training_worker")
 # What verl needs to run without an accelerator: applied only with VERL_PLATFORM=cpu.

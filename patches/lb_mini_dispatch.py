@@ -23,6 +23,10 @@ engine strategy is `odc` with `odc_balancer=lb_mini`:
   rank gets its samples and, per step, which of them it runs; anything else goes to verl's dispatch
   unchanged.
 
+A mode's override of a stage method around a call of verl's (separate_async's `_compute_old_log_prob`,
+`trainer_separate_async.py:183-206`, saves and restores the actor's weights around it) is wrapped whole: the
+request is on the batch when the override reaches verl's method.
+
 `PPOTrainer.init` (214) first probes the losses of the roles on odc (`odc_plugin.verl.dispatch.check_losses`)
 and refuses one that depends on how samples are packed into micro-batches, before any worker starts.
 
@@ -318,7 +322,9 @@ def _wrap_stage(stock, stage: str):
 
 
 def _check_trainer(trainer: type) -> None:
-    """The stage methods of verl's trainer class, checked to be what _wrap_stage wraps."""
+    """The stage methods of verl's trainer class, checked to be what _wrap_stage wraps: each makes its worker
+    call with the batch, itself or, where a mode overrides it around a call of super()'s (separate_async's
+    `_compute_old_log_prob` saves and restores the actor's weights around it), the nearest base method that does."""
     for name, params in _SIGNATURES.items():
         fn = require_attr(trainer, name, NAME)
         if parameters(fn) != params:
@@ -326,10 +332,14 @@ def _check_trainer(trainer: type) -> None:
                 f"odc patch '{NAME}': {trainer.__name__}.{name}({', '.join(parameters(fn))}) is no longer "
                 f"({', '.join(params)})"
             )
-        missing = [n for n in _TRAINER_USES[name] if n not in fn.__code__.co_names]
+        for owner in (k for k in trainer.__mro__ if name in vars(k)):
+            code = vars(owner)[name].__code__
+            missing = [n for n in _TRAINER_USES[name] if n not in code.co_names]
+            if not missing or not {"super", name} <= set(code.co_names):
+                break
         if missing:
             raise PatchError(
-                f"odc patch '{NAME}': {trainer.__name__}.{name} no longer uses {missing}; it was rewritten, "
+                f"odc patch '{NAME}': {owner.__name__}.{name} no longer uses {missing}; it was rewritten, "
                 f"re-check the patch"
             )
 

@@ -13,11 +13,11 @@ verl's class itself, so the run executes verl's own trainer, workers and dispatc
   DetachActorWorker) and the inner training worker class of verl's ActorRolloutRefWorker
   (`actor_worker_cls`, `ref_worker_cls`).
 
-Trainer modes: `sync` and `colocate_async` train under odc as under fsdp2 (neither overrides a stage
-method, so every FSDP pass is planned). `separate_async` is refused in one line: it trains with verl's
-DetachActorWorker, which saves and restores the actor's weights for fsdp, fsdp2, veomni and megatron
-only. A trainer registered by someone else is refused too: its methods were not checked against the
-plan. So is verl's legacy trainer (`trainer.use_v1=False`: `main_ppo_v0`'s RayPPOTrainer, which
+Trainer modes: `sync`, `colocate_async` and `separate_async` train under odc as under fsdp2, every FSDP
+pass planned (only separate_async overrides a stage method, `_compute_old_log_prob`, around a call of
+verl's; its DetachActorWorker saves and restores the odc actor with FSDP2's functions,
+`patches/detach_actor.py`). A trainer registered by someone else is refused: its methods were not checked
+against the plan. So is verl's legacy trainer (`trainer.use_v1=False`: `main_ppo_v0`'s RayPPOTrainer, which
 `patches/trainer_choice.py` also asks): its stages hand the workers tensors, not the TransferQueue batches
 LB-Mini's dispatch plans, and it has no `init` for the loss check, so odc would train there unplanned and
 unchecked.
@@ -36,12 +36,8 @@ from collections.abc import Mapping
 # The strategy keys of the roles, and which worker kind each role's odc engine runs in.
 ACTOR_SIDE_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy")
 CRITIC_KEY = "critic.strategy"
-# verl's trainer modes under odc, and why a mode is refused
-SUPPORTED_MODES = ("sync", "colocate_async")
-REFUSED_MODES = {
-    "separate_async": "its DetachActorWorker saves and restores the actor's weights for fsdp, fsdp2, veomni and "
-    "megatron only",
-}
+# verl's trainer modes under odc
+SUPPORTED_MODES = ("sync", "colocate_async", "separate_async")
 # verl's legacy trainer (trainer.use_v1=False), and why odc refuses it
 LEGACY_MODULE, LEGACY_CLASS = "verl.trainer.ppo.ray_trainer", "RayPPOTrainer"
 LEGACY_REFUSAL = (
@@ -88,16 +84,10 @@ def odc_trainer_class(cls: type) -> type:
     legacy = sys.modules.get(LEGACY_MODULE)  # cls can only be its subclass once it is imported
     if legacy is not None and issubclass(cls, getattr(legacy, LEGACY_CLASS)):
         raise ValueError(LEGACY_REFUSAL)
-    mode = next((m for m in (*SUPPORTED_MODES, *REFUSED_MODES) if get_trainer_cls(m) is cls), None)
-    if mode in REFUSED_MODES:
-        raise ValueError(
-            f"odc: trainer.v1.trainer_mode={mode} is not supported with strategy=odc ({REFUSED_MODES[mode]}); "
-            f"use trainer.v1.trainer_mode={' or '.join(SUPPORTED_MODES)}, or strategy=fsdp2"
-        )
-    if mode is None:
+    if not any(get_trainer_cls(mode) is cls for mode in SUPPORTED_MODES):
         raise ValueError(
             f"odc: the trainer {cls.__module__}.{cls.__qualname__} is not supported with strategy=odc, which "
-            f"plans verl's own trainers of trainer.v1.trainer_mode={' and '.join(SUPPORTED_MODES)} only"
+            f"plans verl's own trainers of trainer.v1.trainer_mode={', '.join(SUPPORTED_MODES)} only"
         )
     return _subclass(cls)
 
@@ -117,14 +107,14 @@ class _ODCWorkers:
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         import ray
-        from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+        from verl.workers.engine_workers import TrainingWorker
 
         from . import workers
 
         actor_side, critic = odc_sides(self.config)
         for role, remote in list(self.role_worker_mapping.items()):
             cls = getattr(remote, "__ray_actor_class__", None)
-            if actor_side and cls is ActorRolloutRefWorker:
-                self.role_worker_mapping[role] = ray.remote(workers.ODCActorRolloutRefWorker)
+            if actor_side and cls in workers.ACTOR_WORKERS:
+                self.role_worker_mapping[role] = ray.remote(workers.ACTOR_WORKERS[cls])
             elif critic and cls is TrainingWorker:
                 self.role_worker_mapping[role] = ray.remote(workers.ODCTrainingWorker)

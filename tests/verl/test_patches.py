@@ -16,12 +16,13 @@ import logging
 import pytest
 import torch
 import verl
+from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, dispatch_lazy_compute_data_proto, register
 from verl.utils.metric import Metric
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 import odc_patches
-from odc_patches import PATCHES, PatchError, lb_mini_dispatch, lb_mini_worker, rank_metrics_agree
+from odc_patches import PATCHES, PatchError, detach_actor, lb_mini_dispatch, lb_mini_worker, rank_metrics_agree
 
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
 needs_trainer = pytest.mark.skipif(
@@ -44,11 +45,11 @@ def _dispatch_mode(method):
 def _verl_state() -> dict:
     """Every member of verl's classes that the patches for odc runs build on, and the content of the
     dispatch dicts registered on them."""
-    classes = [ActorRolloutRefWorker, TrainingWorker]
+    classes = [ActorRolloutRefWorker, DetachActorWorker, TrainingWorker]
     if HAS_TQ:
-        from verl.trainer.ppo.v1 import PPOTrainer, PPOTrainerColocateAsync, PPOTrainerSync
+        from verl.trainer.ppo.v1 import PPOTrainer, PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync
 
-        classes += [PPOTrainer, PPOTrainerSync, PPOTrainerColocateAsync]
+        classes += [PPOTrainer, PPOTrainerSync, PPOTrainerColocateAsync, PPOTrainerSeparateAsync]
     state = {}
     for cls in classes:
         for name, value in vars(cls).items():
@@ -64,7 +65,7 @@ def _same(a: dict, b: dict) -> list:
 
 
 def test_patch_list():
-    assert PATCHES == ("lb_mini_worker", "lb_mini_dispatch", "rank_metrics_agree")
+    assert PATCHES == ("lb_mini_worker", "lb_mini_dispatch", "rank_metrics_agree", "detach_actor")
     for name in PATCHES:
         patch = importlib.import_module(f"odc_patches.{name}")
         assert patch.VERL_VERSION == verl.__version__ == odc_patches.PATCHED_VERL_VERSION == "0.9.1"
@@ -110,21 +111,76 @@ def test_odc_subclasses_extend_verl_and_change_nothing_of_it():
 
 
 @needs_trainer
-def test_the_odc_trainer_extends_verls_trainer_and_changes_nothing_of_it():
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+def test_the_odc_trainer_extends_verls_trainer_and_changes_nothing_of_it(mode):
+    """Every mode's stage methods are wrapped whole: separate_async's `_compute_old_log_prob`, which saves and
+    restores the actor around a call of verl's base method, included."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
     before = _verl_state()
-    trainer = odc_patches.odc_subclass("trainer", _trainer(), "T", __name__)
+    base = get_trainer_cls(mode)
+    trainer = odc_patches.odc_subclass("trainer", base, "T", __name__)
     assert not _same(before, _verl_state())
     for method, _ in lb_mini_dispatch._STAGES:
-        assert vars(trainer)[method].__wrapped__ is getattr(_trainer(), method)
-    assert vars(trainer)["init"].__wrapped__ is _trainer().init
+        assert vars(trainer)[method].__wrapped__ is getattr(base, method)
+    assert vars(trainer)["init"].__wrapped__ is base.init
+
+
+def test_the_odc_detach_actor_worker_saves_and_restores_odc_as_fsdp2():
+    """separate_async's actor worker: planned as the actor worker, and FSDP2's save and restore for odc, registered
+    as verl's; verl's DetachActorWorker is left as it is."""
+    import types
+
+    from verl.utils import fsdp_utils
+
+    from odc_plugin.verl import workers
+
+    before = _verl_state()
+    odc = workers.ODCDetachActorWorker
+    assert odc.__mro__[1] is DetachActorWorker and workers.ACTOR_WORKERS[DetachActorWorker] is odc
+    assert odc.actor_worker_cls is odc.ref_worker_cls is workers.ODCTrainingWorker
+    for method in ("update_actor", "compute_log_prob", "compute_ref_log_prob"):
+        assert _dispatch_mode(getattr(odc, method))["dispatch_fn"].func is lb_mini_dispatch._lb_mini_dispatch
+    restore = odc.restore_model_from_cpu
+    assert getattr(restore, MAGIC_ATTR) == getattr(DetachActorWorker.restore_model_from_cpu, MAGIC_ATTR)
+    assert _dispatch_mode(restore) is Dispatch.ONE_TO_ALL
+    worker = types.SimpleNamespace(config=types.SimpleNamespace(actor=types.SimpleNamespace(strategy="odc")))
+    assert odc._get_strategy_handlers(worker) == (
+        fsdp_utils.fsdp2_sharded_save_to_cpu,
+        fsdp_utils.fsdp2_sharded_load_from_cpu,
+    )
+    worker.config.actor.strategy, worker._strategy_handlers = "odc-unknown", None
+    with pytest.raises(NotImplementedError, match="Unsupported strategy: odc-unknown"):  # verl's own, for others
+        odc._get_strategy_handlers(worker)
+    assert not _same(before, _verl_state())
+
+
+def test_detach_actor_patch_refuses_changed_verl(monkeypatch):
+    def _get_strategy_handlers(self):  # a verl that picks its functions otherwise
+        return None
+
+    monkeypatch.setattr(DetachActorWorker, "_get_strategy_handlers", _get_strategy_handlers)
+    with pytest.raises(PatchError, match=r"_get_strategy_handlers no longer uses \['strategy', 'fsdp2_sharded_save"):
+        detach_actor.extend("actor_worker", DetachActorWorker, {})
+    monkeypatch.undo()
+    restore = DetachActorWorker.restore_model_from_cpu
+    monkeypatch.setattr(
+        DetachActorWorker, "restore_model_from_cpu", register(dispatch_mode=Dispatch.DP_COMPUTE)(restore.__wrapped__)
+    )
+    with pytest.raises(PatchError, match="restore_model_from_cpu is no longer ONE_TO_ALL"):
+        detach_actor.extend("actor_worker", DetachActorWorker, {})
+    members = {}
+    detach_actor.extend("actor_worker", ActorRolloutRefWorker, members)  # not separate_async's worker: nothing
+    assert not members
 
 
 @pytest.mark.parametrize("name", PATCHES)
 def test_other_verl_version_is_refused(monkeypatch, name):
     monkeypatch.setattr(verl, "__version__", "0.9.2")
-    kind, base = {"lb_mini_dispatch": ("actor_worker", ActorRolloutRefWorker)}.get(
-        name, ("training_worker", TrainingWorker)
-    )
+    kind, base = {
+        "lb_mini_dispatch": ("actor_worker", ActorRolloutRefWorker),
+        "detach_actor": ("actor_worker", DetachActorWorker),
+    }.get(name, ("training_worker", TrainingWorker))
     members = {}
     with pytest.raises(PatchError, match=f"^odc patch '{name}' targets verl 0.9.1, but verl 0.9.2 is installed$"):
         importlib.import_module(f"odc_patches.{name}").extend(kind, base, members)
@@ -422,7 +478,7 @@ def test_trainer_choice_gives_the_odc_subclass_for_odc(configs):
 
     from odc_plugin.verl.trainer import trainer_class
 
-    for mode in ("sync", "colocate_async"):
+    for mode in ("sync", "colocate_async", "separate_async"):
         for name in ("odc", "odc critic"):
             cls = trainer_class(get_trainer_cls(mode), configs[name])
             assert cls.__mro__[2] is get_trainer_cls(mode) and cls is trainer_class(cls, configs[name])
@@ -430,22 +486,19 @@ def test_trainer_choice_gives_the_odc_subclass_for_odc(configs):
 
 
 @needs_trainer
-def test_trainer_choice_refuses_separate_async_and_others_trainers_in_one_line(configs):
+def test_trainer_choice_refuses_others_trainers_in_one_line(configs):
     from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
-
-    with pytest.raises(ValueError) as refused:
-        PPOTrainer.__new__(get_trainer_cls("separate_async"), config=configs["odc"])
-    assert str(refused.value) == (
-        "odc: trainer.v1.trainer_mode=separate_async is not supported with strategy=odc (its DetachActorWorker "
-        "saves and restores the actor's weights for fsdp, fsdp2, veomni and megatron only); use "
-        "trainer.v1.trainer_mode=sync or colocate_async, or strategy=fsdp2"
-    )
 
     class MyTrainer(get_trainer_cls("sync")):
         pass
 
-    with pytest.raises(ValueError, match=r"^odc: the trainer .*MyTrainer is not supported with strategy=odc"):
+    with pytest.raises(ValueError) as refused:
         PPOTrainer.__new__(MyTrainer, config=configs["odc"])
+    assert str(refused.value) == (
+        f"odc: the trainer {__name__}.test_trainer_choice_refuses_others_trainers_in_one_line.<locals>.MyTrainer is "
+        f"not supported with strategy=odc, which plans verl's own trainers of trainer.v1.trainer_mode=sync, "
+        f"colocate_async, separate_async only"
+    )
 
 
 @needs_trainer

@@ -6,9 +6,12 @@ ranks (`main_ppo`, odc-grpo-cpu's configuration with the KL loss, so that the re
   trains as fsdp2 does, step by step, with LB-Mini planning every FSDP pass (the actor's update, its
   old log-probs, the reference log-probs).
 - `sync`: the default, which every other trainer test runs.
-- `separate_async` is refused in one line when the trainer is built (tests/verl/test_patches.py); it
-  cannot run on CPU under any strategy (its standalone rollout needs an nccl, nixl or mooncake
-  checkpoint engine).
+- `separate_async` (the rollout in processes of its own, a standalone replica, sent the weights by the CPU's
+  `gloo` checkpoint engine; 2 mini-batches per step, each sampled and trained on its own, the second's old
+  log-probs from the cycle's first weights, which verl's DetachActorWorker saves and restores): odc trains as
+  fsdp2 does, step by step, with every FSDP pass planned. verl's asynchrony is turned off
+  (`num_warmup_batches=0`: a step's batch is generated after the previous step's weights are sent), so that
+  both runs generate every batch from the same weights.
 - verl's legacy trainer (`trainer.use_v1=False`, `main_ppo_v0`), as a user would try it with several
   mini-batches: fsdp2 trains, and its metrics (which log the agent loop's counts under timing_s/) make an A/B
   report; odc is refused in one line naming trainer.use_v1, before any worker starts.
@@ -23,7 +26,7 @@ from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
 from odc_plugin.verl.trainer import LEGACY_REFUSAL
 from tests.verl import golden
-from tests.verl.trainer_runs import close, relative_difference, train
+from tests.verl.trainer_runs import close, relative_difference, train, worst_difference
 
 STEPS = 2
 COLOCATE_ASYNC = [
@@ -33,6 +36,22 @@ COLOCATE_ASYNC = [
     # and the step-old responses trained from step 2 on, stay)
     "trainer.v1.sampler.max_off_policy_threshold=1",
     "trainer.v1.sampler.max_off_policy_strategy=wait",
+    *golden.KL_LOSS,
+]
+SEPARATE_ASYNC = [
+    "trainer.v1.trainer_mode=separate_async",
+    # train_batch_size (8 prompts) = parameter_sync_step x ppo_mini_batch_size, as verl requires
+    "trainer.v1.separate_async.parameter_sync_step=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "trainer.v1.separate_async.num_warmup_batches=0",
+    "trainer.v1.sampler.max_off_policy_threshold=1",
+    "trainer.v1.sampler.max_off_policy_strategy=wait",
+    # the standalone rollout: one replica of one rank, on a third (CPU) "GPU" of Ray's, its weights sent over gloo
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "ray_kwargs.ray_init.num_gpus=3",
     *golden.KL_LOSS,
 ]
 LEGACY = ["trainer.use_v1=False", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
@@ -83,3 +102,25 @@ def test_the_legacy_trainer_trains_fsdp2_and_refuses_odc_in_one_line_at_start(le
     assert grpo.last_error(odc.result.log_file).endswith(f"ValueError: {LEGACY_REFUSAL}")
     assert "odc: ODCEngine" not in odc.log()  # refused by the trainer, before any worker started
     assert not grpo.ray_processes(odc.result.ray_dir)
+
+
+@pytest.fixture(scope="module")
+def separate_async(tmp_path_factory):
+    out, assets = tmp_path_factory.mktemp("trainer_modes"), ensure_assets()
+    return {s: train(out, assets, "separate-async", s, STEPS, SEPARATE_ASYNC) for s in grpo.STRATEGIES}
+
+
+def test_separate_async_trains_under_odc_as_under_fsdp2_step_by_step(separate_async):
+    fsdp2, odc = (separate_async[s] for s in grpo.STRATEGIES)
+    fsdp2.assert_ok(STEPS)
+    odc.assert_ok(STEPS)
+    assert "odc: ODCEngineWithLMHead on 2 ranks" in odc.log() and "odc: ODCEngine" not in fsdp2.log()
+    worst, where = worst_difference(fsdp2.metrics, odc.metrics, STEPS, golden.CLOSE, required=golden.CLOSE)
+    for step in range(1, STEPS + 1):
+        a, b = fsdp2.metrics[step], odc.metrics[step]
+        # the old log-probs of both mini-batches came from the weights the rollout generated with (the second's
+        # from the restored ones: from the weights after the first update they would differ by ~1e-3)
+        for run in (a, b):
+            assert run["training/rollout_probs_diff_max"] < 1e-4, (step, run["training/rollout_probs_diff_max"])
+        assert all(key in b for key in PLANNED) and not any(key in a for key in PLANNED), step
+    print(f"separate_async, odc against fsdp2: worst relative difference {worst:.2g} ({where})")  # README's table
