@@ -76,14 +76,15 @@ def trainer_class(cls: type, config) -> type:
 
 def odc_trainer_class(cls: type) -> type:
     """The odc subclass of verl's trainer class `cls`, for a run with odc roles."""
-    from verl.trainer.ppo.v1 import get_trainer_cls
-
     import odc_patches
 
     odc_patches.require_odc_verl()
     legacy = sys.modules.get(LEGACY_MODULE)  # cls can only be its subclass once it is imported
     if legacy is not None and issubclass(cls, getattr(legacy, LEGACY_CLASS)):
         raise ValueError(LEGACY_REFUSAL)
+    # after the legacy trainer's refusal: verl's v1 trainers need TransferQueue, which its legacy one does not
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
     if not any(get_trainer_cls(mode) is cls for mode in SUPPORTED_MODES):
         raise ValueError(
             f"odc: the trainer {cls.__module__}.{cls.__qualname__} is not supported with strategy=odc, which "

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import re
 
 import pytest
 import torch
@@ -516,6 +517,20 @@ def test_trainer_choice_refuses_the_legacy_trainer_in_one_line(configs):
             "trainer.use_v1=True (the default) or strategy=fsdp2"
         )
     assert type(RayPPOTrainer.__new__(RayPPOTrainer, config=configs["fsdp2"])) is RayPPOTrainer
+
+
+@needs_trainer
+def test_the_legacy_trainer_is_refused_where_the_v1_trainer_cannot_be_imported(monkeypatch, configs):
+    """The legacy trainer does not need TransferQueue, which verl's v1 trainers import: its refusal comes first."""
+    import sys
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from odc_plugin.verl.trainer import LEGACY_REFUSAL
+
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo.v1", None)  # as if it failed to import
+    with pytest.raises(ValueError, match="^" + re.escape(LEGACY_REFUSAL) + "$"):
+        RayPPOTrainer.__new__(RayPPOTrainer, config=configs["odc"])
 
 
 @needs_trainer
