@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -218,11 +219,14 @@ def _seconds(run: Callable[[], None], device: torch.device, repeats: int) -> flo
             torch.cuda.synchronize(device)
 
     times = []
-    for i in range(repeats + 1):
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        if i:
-            times.append(time.perf_counter() - start)
+    with warnings.catch_warnings():
+        # torch 2.13 names all_gather_into_tensor and reduce_scatter_tensor deprecated; torch 2.11 has no other
+        warnings.simplefilter("ignore", FutureWarning)
+        for i in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            if i:
+                times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -1,0 +1,112 @@
+"""odc-check on CPU ranks (shm transport, gloo), as a user runs it: every section with figures measured in
+the run, the JSON, a slow link flipping the verdict, a pair losing its adds failing the check, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from odc_plugin.check.cli import main
+from odc_plugin.check.verdict import LayerShape, Verdict, balanced_overhead, layer_seconds
+
+
+def _odc_check(*argv, timeout_s=600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "odc_plugin.check", *argv], capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    path = tmp_path_factory.mktemp("check") / "check.json"
+    proc = _odc_check("--cpu", "--ranks", "4", "--json", str(path))
+    return proc, json.loads(path.read_text()) if path.exists() else None
+
+
+def test_four_cpu_ranks_print_every_section_and_write_the_json(four_ranks):
+    proc, report = four_ranks
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for section in ("environment", "start-up check of peer adds", "transport against gloo's", "correctness:"):
+        assert section in out, out
+    assert "memory: ODC holds" in out and out.strip().splitlines()[-1].startswith("odc-check: ODC's transport is")
+    assert "Warning" not in proc.stderr
+    # every printed figure is one the JSON holds, measured in this run
+    c = report["calibration"]
+    assert report["ranks"] == 4 and report["transport"] == "shm" and report["backend"] == "gloo"
+    assert all(p["passed"] for p in report["probe"].values()) and sorted(report["probe"]) == ["direct", "slots"]
+    assert f"ratio {c['all_gather_s'] / c['gather_s']:.2f}x" in out
+    for method, seconds in c["accumulate_s"].items():
+        assert f"accumulate {method:<7}{seconds * 1e3:8.2f} ms" in out
+    assert c["chosen"] in c["accumulate_s"] and f"accumulate {c['chosen']:<7}" in out and "(chosen)" in out
+    k = report["correctness"]
+    assert k["passed"] and k["worst"] < k["limit"] and k["odc_micro_batches"] == [5, 1, 1, 5]
+    assert f"{k['worst']:.2e}" in out
+    assert report["memory"]["odc_released_bytes"] < report["memory"]["odc_built_bytes"]
+    assert report["verdict"]["line"] == out.strip().splitlines()[-1]
+
+
+def test_a_slow_link_makes_the_verdict_say_odc_would_lose(tmp_path):
+    # a short micro-batch computes in little time, so a link 0.2 s slower per transfer cannot hide behind it
+    proc = _odc_check("--cpu", "--ranks", "2", "--micro-batch-tokens", "8", "--test-delay-s", "0.2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert (
+        last.startswith("odc-check: WARNING: ODC would lose here: ODC's transport is 0.") and "strategy=fsdp2" in last
+    )
+
+
+def test_a_pair_losing_its_adds_fails_the_check_and_exits_non_zero(tmp_path):
+    path = tmp_path / "check.json"
+    proc = _odc_check("--cpu", "--ranks", "3", "--test-lossy-pair", "1:2", "--json", str(path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("FAILED: cuda_ipc") == 0
+    for method in ("direct", "slots"):
+        assert f"method '{method}': FAILED: shm: the start-up check of" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("odc-check: FAILED")
+    report = json.loads(path.read_text())
+    assert not any(p["passed"] for p in report["probe"].values()) and "calibration" not in report
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "say where to run: --gpus N, --cpu --ranks N"),
+        (["--cpu"], "--cpu needs --ranks N"),
+        (["--cpu", "--ranks", "1"], "--ranks: must be an integer >= 2, got '1'"),
+        (["--ranks", "2"], "--ranks goes with --cpu"),
+        (["--cpu", "--ranks", "2", "--model", "no-such-model"], "--model: model 'no-such-model' is neither a preset"),
+        (["--cpu", "--ranks", "2", "--micro-batch-tokens", "0"], "--micro-batch-tokens: must be an integer >= 1"),
+        (["--cpu", "--ranks", "2", "--json", "."], "--json . is a directory"),
+        (["--cpu", "--ranks", "2", "--test-lossy-pair", "1:1"], "--test-lossy-pair must be SENDER:OWNER"),
+        (["--cpu", "--gpus", "2"], "not allowed with argument"),
+    ],
+)
+def test_bad_arguments_fail_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("odc-check: error: ") and message in err[-1], err
+
+
+def test_the_verdict_weighs_the_balanced_overhead_against_the_planned_gain():
+    # communication hidden under compute costs nothing; a gather slower than the compute costs its excess
+    assert balanced_overhead(1.0, (0.5, 0.5), (0.2, 0.2)) == 0.0
+    assert layer_seconds(1.0, 2.0, 1.0) == 2.0 + 3.0
+    assert balanced_overhead(1.0, (2.0, 1.0), (0.5, 0.5)) == 5.0 / 3.0 - 1
+    assert (
+        not Verdict(
+            1.2,
+            "nccl",
+            0.01,
+            1.10,
+        ).loses
+        and Verdict(0.3, "nccl", 0.5, 1.2).loses
+    )
+    assert Verdict(0.3, "nccl", 0.5, 1.2).line().startswith("odc-check: WARNING: ODC would lose here")
+    seven = LayerShape.of("Qwen2.5-7B")
+    assert (seven.layers, seven.params) == (28, 233_046_016)
