@@ -124,6 +124,9 @@ class Region:
 class Transport(abc.ABC):
     """One-sided get / accumulate over symmetric regions, a timed barrier, and failure notices."""
 
+    name: str = "transport"
+    """Its name in make_transport (TRANSPORTS)."""
+
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
@@ -286,6 +289,13 @@ class Transport(abc.ABC):
         regions exist."""
         self._check_open()
         return sum(self.region_bytes(r) for r in self._control)
+
+    def held_bytes(self, control: bool = False) -> int:
+        """Bytes of this rank's own memory the transport's regions hold now, measured where the system keeps
+        them (not counted from `region_bytes`): a region freed while a tensor still views it counts until the
+        tensor goes. The control words only with `control`. This base measures nothing: its bookkeeping."""
+        self._check_open()
+        return sum(self.region_bytes(r) for r in self._control) if control else 0
 
     def staging_bytes(self) -> int:
         """Bytes of this rank's staging buffers (none here), held while any region other than the control
@@ -479,6 +489,7 @@ class DelegatingTransport(Transport):
     def __init__(self, inner: Transport):
         super().__init__(inner.rank, inner.world_size)
         self.inner = inner
+        self.name = inner.name
 
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         return self.inner.alloc(name, numel, dtype)
@@ -497,6 +508,9 @@ class DelegatingTransport(Transport):
 
     def mapped_bytes(self) -> int:
         return self.inner.mapped_bytes()
+
+    def held_bytes(self, control: bool = False) -> int:
+        return self.inner.held_bytes(control)
 
     @property
     def accumulate_method(self) -> str:

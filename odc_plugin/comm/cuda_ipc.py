@@ -58,6 +58,8 @@ _BARRIER = "odc.barrier"
 
 
 class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+
     def __init__(self, group: dist.ProcessGroup | None = None, accumulate: str = "auto"):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         if not torch.cuda.is_available():
@@ -76,7 +78,8 @@ class CudaIpcTransport(Transport):
             raise RuntimeError(error)
         self._own: dict[str, torch.Tensor] = {}
         self._pools: dict[str, torch.cuda.MemPool] = {}
-        self._bytes: dict[str, int] = {}  # what each region's allocation added to torch.cuda.memory_allocated
+        self._bytes: dict[str, int] = {}  # each region's private pool's segments, as the driver holds them
+        self._freed_pools: list = []  # ids of freed regions' pools: their memory stays while a tensor views it
         self._peers: dict[str, list[torch.Tensor]] = {}
         self._barrier_stream = torch.cuda.Stream(self.device)
         self._arrivals = self._alloc_control(_BARRIER, self.world_size, torch.int64)
@@ -103,9 +106,8 @@ class CudaIpcTransport(Transport):
     def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
         self._check_alloc(name, numel, dtype, self._peers)
         total = self._allocated_numel(name, numel, dtype)
-        before = torch.cuda.memory_allocated(self.device)
         own, pool = _shareable_zeros(total, dtype, self.device)
-        nbytes = torch.cuda.memory_allocated(self.device) - before
+        nbytes = _pool_bytes(pool.id)
         # The zeros must be in memory before any peer can write into the region; the collective below
         # only starts once this has returned.
         torch.cuda.synchronize(self.device)
@@ -141,11 +143,20 @@ class CudaIpcTransport(Transport):
         dist.barrier(group=self.group)
         # Every peer has let go: the block is freed now, not parked until a later torch.cuda.ipc_collect().
         del self._own[name], self._bytes[name]
-        del self._pools[name]  # the pool's segment goes back to the device at the next empty_cache()
+        self._freed_pools.append(self._pools.pop(name).id)  # its segment goes back at the next empty_cache()
 
     def region_bytes(self, region: Region) -> int:
         self._check_open()
         return self._bytes[region.name]
+
+    def held_bytes(self, control: bool = False) -> int:
+        """The segments of this rank's regions' private pools as the allocator reserves them, and what tensors
+        still use of freed regions' pools."""
+        self._check_open()
+        # a freed region's pool counts what a tensor still uses of it; its free segment goes at empty_cache()
+        self._freed_pools = [pool for pool in self._freed_pools if _pool_bytes(pool, "allocated_size")]
+        live = [pool.id for name, pool in self._pools.items() if control or name not in self._control_names]
+        return sum(map(_pool_bytes, live)) + sum(_pool_bytes(pool, "allocated_size") for pool in self._freed_pools)
 
     def mapped_bytes(self) -> int:
         self._check_open()
@@ -233,6 +244,12 @@ class CudaIpcTransport(Transport):
         self._own.clear()
         self._pools.clear()
         self._bytes.clear()
+
+
+def _pool_bytes(pool_id, size: str = "total_size") -> int:
+    """Bytes of the segments a private pool holds (the driver's view: a small region takes a whole segment),
+    or with size="allocated_size" what of them is in use."""
+    return sum(segment[size] for segment in torch.cuda.memory_snapshot(pool_id))
 
 
 def _shareable_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.cuda.MemPool]:

@@ -215,6 +215,8 @@ def _release_runtime(nv) -> None:
 
 
 class NvshmemTransport(Transport):
+    name = "nvshmem"
+
     """`loopback=True` sends this rank's own gets and accumulates through NVSHMEM as if it were a peer
     (bounce buffer, staging, signals, folds, credits): how one PE tests the remote paths."""
 

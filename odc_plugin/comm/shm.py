@@ -116,6 +116,8 @@ def _dead(pid: int) -> bool:
 
 
 class ShmTransport(Transport):
+    name = "shm"
+
     def __init__(self, group: dist.ProcessGroup | None = None):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
@@ -183,6 +185,22 @@ class ShmTransport(Transport):
     def region_bytes(self, region: Region) -> int:
         self._check_open()
         return self._mappings[region.name][self.rank].nbytes
+
+    def held_bytes(self, control: bool = False) -> int:
+        """This rank's own region files mapped in this process, read from /proc/self/maps (pages, as mapped)."""
+        self._check_open()
+        own = re.compile(
+            re.escape(self.path_prefix) + rf"-(?P<region>.+)-r{self.rank}-p{self._pids[self.rank]}( \(deleted\))?"
+        )
+        total = 0
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                match = len(fields) == 6 and own.fullmatch(fields[5].strip())
+                if match and (control or match["region"] not in self._control_names):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    total += end - start
+        return total
 
     def mapped_bytes(self) -> int:
         self._check_open()

@@ -36,7 +36,7 @@ A trained model's engine measures ODC's transport against the group's collective
 initialized, at its own FSDP groups (comm/calibrate.py, a fraction of a second): the accumulate method
 (`odc_accumulate`) is chosen there, one log line says what was measured, a warning where ODC's transport
 is under half as fast, and the figures are reported with every update as `odc/transport/*`.
-Metrics per role: `odc/held_outside_bytes` (what ODC held when last released: 0),
+Metrics per role: `odc/held_outside_bytes` (what ODC's regions held when last released, measured: 0),
 `odc/control_bytes`, `odc/extra_bytes_per_param` during a mini-batch, `odc/rebuild_s` (building and
 releasing since the last report, so per step); the reference model's, which verl keeps no metrics of,
 under the actor's as `odc/ref/*` (it lives in the actor's processes).
@@ -200,7 +200,8 @@ class _ODCEngineMixin:
 
     def _odc_release(self) -> None:
         self.odc.release()
-        self._odc_held_outside = self.odc.memory_bytes().regions
+        # measured where the system keeps it (a region freed while something still views it counts)
+        self._odc_held_outside = self.odc.transport.held_bytes()
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         self.odc.build()  # collective, before anything of the pass that may fail on one rank alone

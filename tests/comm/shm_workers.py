@@ -245,3 +245,20 @@ def accumulate_between_barriers(rank, world_size, rounds, method):
     t.set_accumulate_method(other)  # no accumulator left: allowed
     t.close()
     return {"sums": sums, "bytes": nbytes, "refused": refused}
+
+
+def held_as_mapped(rank, world_size):
+    """What held_bytes() measures (this rank's region files still mapped) as a region is built, freed while a
+    view of it is still held, and let go; and the control words alone, on request."""
+    t = make_transport("shm")
+    figures = {"none": t.held_bytes(), "control": t.held_bytes(control=True)}
+    region = t.alloc("r", 3000, torch.float32)
+    figures["built"] = t.held_bytes()
+    view = region.local[:10]
+    del region
+    t.free("r")
+    figures["freed, viewed"] = t.held_bytes()
+    del view
+    figures["let go"] = t.held_bytes()
+    t.close()
+    return figures

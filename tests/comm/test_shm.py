@@ -200,3 +200,12 @@ def test_adds_right_after_a_barrier_are_not_lost_and_the_method_is_fixed_while_a
         # the slots: one more copy of the accumulator per peer
         assert res["bytes"] == 777 * 4 * (world if method == "slots" else 1)
         assert res["refused"].startswith("the accumulate method changes only while no accumulator exists")
+
+
+def test_held_bytes_are_measured_from_the_mappings_a_freed_region_still_viewed_included():
+    page = 4096
+    for figures in run_ranks(shm_workers.held_as_mapped, 2):
+        # the control words (doorbell, arrivals, failure notices) take a page each, counted on request only
+        assert figures["none"] == 0 and figures["control"] == 3 * page
+        assert figures["built"] == figures["freed, viewed"] == 3 * page  # 12,000 bytes in 3 pages
+        assert figures["let go"] == 0

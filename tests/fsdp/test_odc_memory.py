@@ -72,10 +72,10 @@ def test_memory_bytes_are_what_the_transport_allocated_and_a_release_leaves_only
             files = r["forward_only_files"]
             assert fwd.published == files["odc.params"] + files["odc.published"] and "odc.grads" not in files, rank
         else:
-            # building allocates, and releasing frees, the regions exactly as counted, and the ones vector
-            # rounded up to the allocator's 512-byte blocks; the peers' regions mapped go with them
+            # the regions are counted as the driver holds them, each its private pool's segment (2 MiB granules):
+            # at least what building allocates and releasing frees, the ones vector aside (512-byte blocks)
             for change in (r["build_allocated"], r["release_freed"]):
-                assert 0 <= change - built.regions < 512, (rank, change, built.regions)
+                assert -512 < built.regions - change < 3 * (2 << 20), (rank, change, built.regions)
             mapped = r["mapped_built"] - r["mapped_released"]
             assert mapped == (WORLD - 1) * (built.published + built.accumulator), (rank, mapped)
         for name, grad in r["grads"].items():
