@@ -165,6 +165,15 @@ STEPS = (
         needs_wheels=True,
     ),
     Step(
+        "odc-check",
+        "item 9: odc-check with 2 ranks sharing the GPU (gloo's collectives: NCCL takes one rank per GPU)",
+        ("python", "-m", "odc_plugin.check", "--gpus", "2"),
+        180,
+        "timed",
+        env="verl",  # the planner's prediction packs with verl's own functions
+        needs_wheels=True,
+    ),
+    Step(
         "probe",
         "item 6: cuda_ipc's start-up peer-atomics probe passes, and its time",
         PYTEST + ("-s", "tests/comm/test_gpu_cuda_ipc.py", "-k", "probe"),
