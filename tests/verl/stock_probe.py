@@ -27,6 +27,7 @@ PROBE_DIR = os.environ.get("ODC_PROBE_DIR")
 # module -> the classes it defines whose members are recorded as soon as it is imported
 CLASSES = {
     "verl.workers.engine_workers": ("TrainingWorker", "ActorRolloutRefWorker"),
+    "verl.trainer.ppo.ray_trainer": ("RayPPOTrainer",),
     "verl.trainer.ppo.v1.trainer_base": ("PPOTrainer",),
     "verl.trainer.ppo.v1.trainer_sync": ("PPOTrainerSync",),
     "verl.trainer.ppo.v1.trainer_colocate_async": ("PPOTrainerColocateAsync",),

@@ -27,8 +27,9 @@ STEPS = 2
 # readings of time and memory (`perf/...`, `actor/perf/...`, `mfu`), which differ between any two runs;
 # every other metric must be equal
 UNEQUAL = ("timing", "perf/", "mfu")
-# what the plugin adds to verl's classes: the choice between verl's trainer class and the odc subclass
-CHOICE = ["PPOTrainer.__new__"]
+# what the plugin adds to verl's classes: the choice between verl's trainer class and the odc subclass (the legacy
+# trainer's refuses odc)
+CHOICE = ["PPOTrainer.__new__", "RayPPOTrainer.__new__"]
 ODC_REFUSED = (
     "strategy=odc needs verl 0.9.1, the version odc-verl's patches of verl were written for, but verl 0.9.2 is "
     "installed; install verl==0.9.1 for odc runs (runs of other strategies do not use the patches)"
