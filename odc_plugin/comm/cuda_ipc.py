@@ -89,8 +89,8 @@ class CudaIpcTransport(Transport):
         # they fail, "auto" takes the slots, which need none, and checks those.
         mine = self._gpus[self.rank].visible
         devices = [mine.index(g.gpu) if g.gpu in mine else None for g in self._gpus]
-        self.set_accumulate_method("slots" if accumulate == "slots" else "direct")
         self.probe_fallback: str | None = None  # why "auto" fell back to slots
+        self.set_accumulate_method("slots" if accumulate == "slots" else "direct")
         try:
             self.probe_s = peer_atomics.check(self, [g.gpu for g in self._gpus], devices, group)
         except peer_atomics.PeerAddsError as e:  # every rank raises it alike, from every rank's findings
