@@ -140,7 +140,7 @@ def _verdict(report: dict, options: CheckOptions) -> Verdict | None:
     except ImportError:  # the planner's LB-Micro is verl's own balancing
         planned = None
     report["verdict_inputs"] = {"compute_s_per_layer": compute_s, "planned": planned}
-    return Verdict(c.ratio, c.backend, overhead, planned or 1.0)
+    return Verdict(c.ratio, c.backend, overhead, planned)
 
 
 def _finish(report: dict, options: CheckOptions, json_path: str | None) -> int:
@@ -227,8 +227,8 @@ def format_report(report: dict, options: CheckOptions, verdict: Verdict | None) 
     if "memory" in report:
         mem = report["memory"]
         lines.append(
-            f"memory: ODC holds {_mib(mem['odc_built_bytes'])} while built, {mem['odc_released_bytes']} B once "
-            "released (its control words: nothing while the rollout runs)"
+            f"memory: ODC holds {_mib(mem['odc_built_bytes'])} while built, {_mib(mem['odc_released_bytes'])} once "
+            "released (its control words, as the allocator holds them)"
         )
         if "fsdp2" in mem:
             o, f = mem["odc"], mem["fsdp2"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import shutil
 import subprocess
 
@@ -35,7 +36,8 @@ def gpu_links() -> list[str]:
         out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return []
-    lines = [line.rstrip() for line in out.stdout.splitlines()]
+    # nvidia-smi underlines the header with terminal escapes even into a pipe
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip() for line in out.stdout.splitlines()]
     # the matrix ends where the legend starts
     return [line for line in lines[: next((i for i, line in enumerate(lines) if not line.strip()), len(lines))]]
 

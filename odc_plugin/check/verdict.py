@@ -93,12 +93,13 @@ class Verdict:
     backend: str
     overhead: float
     """Balanced-load overhead: ODC's layer time over FSDP's, less 1."""
-    planned: float
-    """The planner's ODC+LB-Mini over FSDP+LB-Micro on an imbalanced RL job (1.0 where it could not run)."""
+    planned: float | None
+    """The planner's ODC+LB-Mini over FSDP+LB-Micro on an imbalanced RL job (None where it could not run)."""
 
     @property
     def net(self) -> float:
-        return self.planned / (1 + self.overhead)
+        """What ODC would give: the planner's gain (none where it could not run) over the balanced overhead."""
+        return (self.planned or 1.0) / (1 + self.overhead)
 
     @property
     def loses(self) -> bool:
@@ -107,8 +108,13 @@ class Verdict:
     def line(self) -> str:
         facts = (
             f"ODC's transport is {self.transport_ratio:.2f}x {self.backend}'s collectives here; balanced overhead "
-            f"{self.overhead:+.0%}; on an imbalanced RL job the planner predicts {self.planned:.2f}x over "
-            f"{SCHEMES[SPEEDUP_BASELINE]}, {self.net:.2f}x with that overhead"
+            f"{self.overhead:+.0%}; "
+            + (
+                f"on an imbalanced RL job the planner predicts {self.planned:.2f}x over "
+                f"{SCHEMES[SPEEDUP_BASELINE]}, {self.net:.2f}x with that overhead"
+                if self.planned is not None
+                else "no prediction for an imbalanced job (the planner needs verl)"
+            )
         )
         if self.loses:
             return f"odc-check: WARNING: ODC would lose here: {facts}; keep strategy=fsdp2 on this machine"

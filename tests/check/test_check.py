@@ -108,5 +108,8 @@ def test_the_verdict_weighs_the_balanced_overhead_against_the_planned_gain():
         and Verdict(0.3, "nccl", 0.5, 1.2).loses
     )
     assert Verdict(0.3, "nccl", 0.5, 1.2).line().startswith("odc-check: WARNING: ODC would lose here")
+    # without verl there is no prediction, and the line claims none
+    unplanned = Verdict(1.2, "nccl", 0.01, None)
+    assert unplanned.loses and "predicts" not in unplanned.line() and "needs verl" in unplanned.line()
     seven = LayerShape.of("Qwen2.5-7B")
     assert (seven.layers, seven.params) == (28, 233_046_016)
