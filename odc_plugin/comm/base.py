@@ -6,8 +6,11 @@ region* (the same size on every rank); any rank may read a peer's slice (`get`) 
 
 Set-up (`alloc`) and release (`free`) are collective and run outside mini-batches; `get`, `accumulate`
 and `barrier` never call a collective on the process group, which is what lets ranks drift apart between
-barriers. A transport holds, from start to `close`, only its *control words* (arrival flags, doorbells,
-failure notices: `control_bytes`, a few KiB); everything else it holds belongs to regions, freed with them.
+barriers. Once the control words exist, `alloc` meets its peers at the transport's own barrier before any
+step a peer could be missing from, so a rank whose set-up failed, once it announced it, ends its peers'
+wait at once instead of leaving them in a collective it never joins. A transport holds, from start to
+`close`, only its *control words* (arrival flags, doorbells, failure notices: `control_bytes`, a few KiB);
+everything else it holds belongs to regions, freed with them.
 
 Accumulate methods (`ACCUMULATE_METHODS`): "direct" adds straight into the owner's accumulator, safe
 against concurrent writers (GPU peer atomics, record locks on CPU); "slots" gives every sender a slot of
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+import torch.distributed as dist
 
 from .slots import Slots
 
@@ -62,6 +66,8 @@ _HEADER_WORDS = 2
 # Barrier epochs: round r's barriers are (r << ROUND_SHIFT) + 1, + 2, ...; its recovery meeting is
 # (r + 1) << ROUND_SHIFT, the base of the next round.
 ROUND_SHIFT = 32
+# How long `alloc` waits for its peers unless told otherwise: ODCConfig's barrier timeout by default.
+SETUP_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,9 @@ class Transport(abc.ABC):
     name: str = "transport"
     """Its name in make_transport (TRANSPORTS)."""
 
+    group: dist.ProcessGroup | None = None
+    """The process group it spans (None: the default group)."""
+
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
@@ -134,6 +143,8 @@ class Transport(abc.ABC):
         self._round = 0  # failed rounds recovered from: the same on every rank between recoveries
         self._epoch = 0  # the last barrier's
         self._recovering = False
+        self._setting_up: str | None = None  # the region whose set-up meeting runs
+        self._setup_meetings = 0  # set-up meetings in this round, which errors do not number as barriers
         self._control: list[Region] = []  # the regions the transport itself holds until close
         self._control_names: set[str] = set()  # theirs, known to `alloc` while it allocates one
         self._allocating_control = False  # only `_alloc_control` may allocate a name in _control_names
@@ -216,9 +227,12 @@ class Transport(abc.ABC):
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: the ODC transport is closed; make a new one to use it again")
 
-    def _check_alloc(self, name: str, numel: int, dtype: torch.dtype, allocated: Container[str]) -> None:
+    def _check_alloc(
+        self, name: str, numel: int, dtype: torch.dtype, allocated: Container[str], timeout_s: float
+    ) -> None:
         """`alloc`'s arguments; `allocated`: the names of the transport's regions."""
         self._check_open()
+        check_timeout(timeout_s)
         if not isinstance(name, str) or not name or "/" in name or "\0" in name:
             raise ValueError(f"region name must be a non-empty str without '/' or NUL, got {name!r}")
         if name in self._control_names and not self._allocating_control:
@@ -267,9 +281,31 @@ class Transport(abc.ABC):
         self._notices = self._alloc_control("odc.failure", 2 * NOTICE_WORDS, torch.int64)
 
     @abc.abstractmethod
-    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
+    def alloc(self, name: str, numel: int, dtype: torch.dtype, timeout_s: float = SETUP_TIMEOUT_S) -> Region:
         """Collective: every rank allocates `numel` (>= 1) zeroed elements that all peers can reach. `name`:
-        a non-empty str without '/' or NUL, not a region already allocated nor one of the transport's own."""
+        a non-empty str without '/' or NUL, not a region already allocated nor one of the transport's own.
+        A rank waits for its peers at `_setup_meeting`: a peer's announced failure raises ODCPeerFailedError
+        there, a peer that does not come within `timeout_s` ODCTimeoutError. A rank whose own step fails
+        raises having kept nothing of the region."""
+
+    def _setup_meeting(self, name: str, timeout_s: float) -> None:
+        """Where `alloc(name)` waits for every peer. The control words are set up before any failure notice
+        exists, so they meet in the process group; every other region at the transport's own barrier, whose
+        waits read the notices."""
+        if name in self._control_names:
+            dist.barrier(group=self.group)
+            return
+        self._setting_up = name
+        try:
+            self._meet(timeout_s)
+        finally:
+            self._setting_up = None
+        self._setup_meetings += 1
+
+    def _meet(self, timeout_s: float) -> None:
+        """Every rank arrives, as at `barrier`; a transport whose barrier does more (folding slots) meets
+        with less here."""
+        self.barrier(timeout_s)
 
     @abc.abstractmethod
     def free(self, name: str) -> None:
@@ -348,6 +384,14 @@ class Transport(abc.ABC):
             return f"ODC recovery meeting #{round_}"
         return f"ODC barrier #{k}" + (f" of round {round_}" if round_ else "")
 
+    def _meeting_name(self, epoch: int) -> str:
+        """How errors name this transport's meeting `epoch`: a region's set-up by the region, a barrier by its
+        number among the round's barriers (a job's first mini-batch ends at "ODC barrier #1", whatever was set
+        up before it)."""
+        if self._setting_up is not None:
+            return f"the set-up of ODC region '{self._setting_up}'"
+        return self.barrier_name(epoch - self._setup_meetings if epoch % (1 << ROUND_SHIFT) else epoch)
+
     def wait_at_least(self, region: Region, peer: int, offset: int, value: int, timeout_s: float, what: str) -> None:
         """Wait until an int64 flag in `peer`'s slice reaches `value`; `what` names the wait in the error.
 
@@ -379,7 +423,7 @@ class Transport(abc.ABC):
             waiting_on,
             timeout_s,
             lambda: (
-                f"rank {self.rank}: {self.barrier_name(epoch)} timed out after {timeout_s:g}s; "
+                f"rank {self.rank}: {self._meeting_name(epoch)} timed out after {timeout_s:g}s; "
                 f"rank(s) {last} did not arrive"
             ),
         )
@@ -455,6 +499,7 @@ class Transport(abc.ABC):
             self._recovering = False
         notices = self.failures()
         self._round += 1
+        self._setup_meetings = 0
         return notices
 
     def signal(self, region: Region, offset: int, value: int) -> None:
@@ -491,8 +536,8 @@ class DelegatingTransport(Transport):
         self.inner = inner
         self.name = inner.name
 
-    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        return self.inner.alloc(name, numel, dtype)
+    def alloc(self, name: str, numel: int, dtype: torch.dtype, timeout_s: float = SETUP_TIMEOUT_S) -> Region:
+        return self.inner.alloc(name, numel, dtype, timeout_s)
 
     def free(self, name: str) -> None:
         self.inner.free(name)

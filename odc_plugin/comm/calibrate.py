@@ -138,7 +138,7 @@ def calibrate(
         excluded["slots"] = f"its {slots_extra / 2**30:.1f} GiB more per rank exceed the memory left for it"
     largest = max(b.numel for b in buckets)
 
-    params = transport.alloc(_PARAMS, largest * gather_dtype.itemsize, torch.uint8)
+    params = transport.alloc(_PARAMS, largest * gather_dtype.itemsize, torch.uint8, timeout_s)
     device = params.local.device
     gathered = torch.empty(world, largest, dtype=gather_dtype, device=device)
     try:
@@ -171,7 +171,7 @@ def calibrate(
     initial = transport.accumulate_method
     for method in methods:
         transport.set_accumulate_method(method)
-        accumulator = transport.alloc(_ACCUMULATOR, largest, torch.float32)
+        accumulator = transport.alloc(_ACCUMULATOR, largest, torch.float32, timeout_s)
         try:
 
             def accumulates(accumulator=accumulator) -> None:

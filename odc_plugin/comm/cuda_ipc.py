@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from . import peer_atomics
-from .base import ACCUMULATE_METHODS, Region, Transport
+from .base import ACCUMULATE_METHODS, SETUP_TIMEOUT_S, Region, Transport
 from .cuda_ipc_setup import ProcessGpus, first_line, open_error, setup_error
 
 _BARRIER = "odc.barrier"
@@ -103,14 +103,17 @@ class CudaIpcTransport(Transport):
     def accumulate_methods(self) -> tuple[str, ...]:
         return ("slots",) if self.probe_fallback else ACCUMULATE_METHODS
 
-    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        self._check_alloc(name, numel, dtype, self._peers)
+    def alloc(self, name: str, numel: int, dtype: torch.dtype, timeout_s: float = SETUP_TIMEOUT_S) -> Region:
+        self._check_alloc(name, numel, dtype, self._peers, timeout_s)
         total = self._allocated_numel(name, numel, dtype)
         own, pool = _shareable_zeros(total, dtype, self.device)
         nbytes = _pool_bytes(pool.id)
         # The zeros must be in memory before any peer can write into the region; the collective below
         # only starts once this has returned.
         torch.cuda.synchronize(self.device)
+        # A rank whose allocation raised joins no collective: its peers wait for it where its notice ends
+        # the wait. From here on a rank's failure is data the collectives carry to every rank.
+        self._setup_meeting(name, timeout_s)
         try:
             # one export per peer: each carries the count that peer's mapping holds (see the module)
             exports = [None if r == self.rank else reduce_tensor(own)[1] for r in range(self.world_size)]

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import NOTICE_WORDS, Region, Transport, poll
+from .base import NOTICE_WORDS, SETUP_TIMEOUT_S, Region, Transport, poll
 from .select import flat_nvshmem_error
 
 HEADER_BYTES = 64  # int64 fields: [0] element offset, [1] numel, [2] dtype code, [3] region id
@@ -340,11 +340,19 @@ class NvshmemTransport(Transport):
 
     # -- regions ----------------------------------------------------------------------------------
 
-    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        self._check_alloc(name, numel, dtype, self._regions)
-        if self._stage is None and name not in self._control_names:
+    def alloc(self, name: str, numel: int, dtype: torch.dtype, timeout_s: float = SETUP_TIMEOUT_S) -> Region:
+        self._check_alloc(name, numel, dtype, self._regions, timeout_s)
+        # nvshmem_malloc is a collective NVSHMEM cannot interrupt: every rank is there before any enters it
+        self._setup_meeting(name, timeout_s)
+        first = self._stage is None and name not in self._control_names
+        if first:
             self._alloc_staging()
-        base = self._malloc(f"region '{name}'", numel * dtype.itemsize)
+        try:
+            base = self._malloc(f"region '{name}'", numel * dtype.itemsize)
+        except BaseException:
+            if first:  # the heap check fails alike on every rank: the collective free matches
+                self._free_staging()
+            raise
         self._publish_zeroed()
         self._regions[name] = base
         if dtype == torch.float32:
@@ -560,7 +568,7 @@ class NvshmemTransport(Transport):
             folded_all,
             max(deadline - time.monotonic(), 0.0),
             lambda: (
-                f"rank {self.rank}: {self.barrier_name(epoch)} timed out after {timeout_s:g}s; accumulates "
+                f"rank {self.rank}: {self._meeting_name(epoch)} timed out after {timeout_s:g}s; accumulates "
                 f"from rank(s) {behind} were announced but never arrived"
             ),
         )

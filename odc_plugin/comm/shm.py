@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import futex
-from .base import ACCUMULATE_METHODS, ODCTimeoutError, Region, Transport
+from .base import ACCUMULATE_METHODS, SETUP_TIMEOUT_S, ODCPeerFailedError, ODCTimeoutError, Region, Transport
 
 _SHM_DIR = "/dev/shm"
 # A region file's name; `creator` is the pid of the process that created it.
@@ -115,6 +115,15 @@ def _dead(pid: int) -> bool:
     return False
 
 
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie, not yet reaped by its launcher, included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 class ShmTransport(Transport):
     name = "shm"
 
@@ -129,6 +138,9 @@ class ShmTransport(Transport):
         self._pids = [pid for _, pid in ids]
         # Where this transport's files live in /dev/shm, and only while a region is being set up.
         self.path_prefix = os.path.join(_SHM_DIR, f"odc-{ids[0][0]}")
+        # A peer that dies announces nothing: a wait for one whose process this rank sees ends once it is
+        # gone, not at the timeout (one that exits during a region's set-up, say, which a collective noticed).
+        self._watched = {r: pid for r, pid in enumerate(self._pids) if r != self.rank and not _gone(pid)}
         self._mappings: dict[str, list[_Mapping]] = {}
         self._peer_tensors: dict[str, list[torch.Tensor]] = {}
         # Record locks belong to the process, not the thread: threads of one rank exclude each other here.
@@ -140,23 +152,25 @@ class ShmTransport(Transport):
     def accumulate_methods(self) -> tuple[str, ...]:
         return ACCUMULATE_METHODS
 
-    def alloc(self, name: str, numel: int, dtype: torch.dtype) -> Region:
-        self._check_alloc(name, numel, dtype, self._mappings)
+    def alloc(self, name: str, numel: int, dtype: torch.dtype, timeout_s: float = SETUP_TIMEOUT_S) -> Region:
+        self._check_alloc(name, numel, dtype, self._mappings, timeout_s)
         total = self._allocated_numel(name, numel, dtype)
         nbytes = total * dtype.itemsize
         paths = [f"{self.path_prefix}-{name}-r{r}-p{pid}" for r, pid in enumerate(self._pids)]
         mappings: list[_Mapping] = []
         try:
             mappings.append(_Mapping(paths[self.rank], nbytes, create=True))
-            dist.barrier(group=self.group)
+            self._setup_meeting(name, timeout_s)
             mappings = [
                 mappings[0] if r == self.rank else _Mapping(paths[r], nbytes, create=False)
                 for r in range(self.world_size)
             ]
-            dist.barrier(group=self.group)
+            self._setup_meeting(name, timeout_s)
         except Exception as e:
             for m in mappings:
                 m.close()
+            if isinstance(e, ODCPeerFailedError):  # its notice says which rank failed, and how
+                raise
             raise RuntimeError(
                 f"rank {self.rank}: setting up shared-memory region '{name}' "
                 f"({self.path_prefix}-{name}-r*) failed (did a peer die?): {e}"
@@ -257,6 +271,8 @@ class ShmTransport(Transport):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ODCTimeoutError(error())
+            if peer in self._watched and _gone(self._watched[peer]):
+                raise ODCTimeoutError(f"rank {peer}'s process (pid {self._watched[peer]}) has exited")
             futex.wait(bells[peer].data_ptr(), rung, min(left, _RECHECK_S))
 
     def barrier(self, timeout_s: float) -> None:
@@ -280,8 +296,11 @@ class ShmTransport(Transport):
         def missing() -> list[int]:
             return [r for r, word in enumerate(words) if int(word) >= 0 and not self.arrived(int(word), epoch)]
 
-        with contextlib.suppress(ODCTimeoutError):
+        ended = f"timed out after {timeout_s:g}s"
+        try:
             self.wait_until(lambda: next(iter(missing()), None), timeout_s, lambda: "")
+        except ODCTimeoutError as e:
+            ended = f"failed ({e})" if str(e) else ended  # a peer's process exited, or the time is up
         with self._locked(*decision_lock):
             late = missing()
             gave_up = [r for r, word in enumerate(words) if int(word) < 0]
@@ -290,12 +309,11 @@ class ShmTransport(Transport):
         if late:
             self._ring()
             raise ODCTimeoutError(
-                f"rank {self.rank}: {self.barrier_name(epoch)} timed out after {timeout_s:g}s; "
-                f"rank(s) {late} did not arrive"
+                f"rank {self.rank}: {self._meeting_name(epoch)} {ended}; rank(s) {late} did not arrive"
             )
         if gave_up:
             raise ODCTimeoutError(
-                f"rank {self.rank}: {self.barrier_name(epoch)} failed: rank(s) {gave_up} timed out "
+                f"rank {self.rank}: {self._meeting_name(epoch)} failed: rank(s) {gave_up} timed out "
                 f"waiting at it and gave up before every rank arrived"
             )
 

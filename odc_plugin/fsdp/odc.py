@@ -238,6 +238,7 @@ class OnDemandComm:
         self.params = self.grads = self.published = None  # the regions (build)
         self._gradients: GradientStorage | None = None
         self._ones: torch.Tensor | None = None  # added into the used flags
+        self._scatters: list[_ScatterAccumulate] = []  # with the hooks, below; a failed build() reads it
         self.build()
         if self.grads is not None:
             device = self.grads.local.device
@@ -250,7 +251,6 @@ class OnDemandComm:
                     f"offload_policy off, or set the model up forward-only (ODCConfig(trains=False))"
                 )
 
-        self._scatters: list[_ScatterAccumulate] = []
         # With one rank FSDP never calls its comm hooks, and its own gradients are already final.
         if self.world_size > 1:
             layout_of = {id(layout.group): layout for layout in self.layouts}
@@ -279,34 +279,51 @@ class OnDemandComm:
         """Whether the regions are released (`release()`): begin() then needs a `build()` first."""
         return self.params is None
 
-    def build(self) -> None:
-        """Collective: allocate the model's regions, at apply_odc and again after `release()`; a no-op while
-        they exist. Every rank calls it at the same point of its collectives (e.g. when a phase starts)."""
+    @property
+    def _needs_accumulator(self) -> bool:
+        # With one rank FSDP never calls its comm hooks and builds `.grad` itself; a forward-only model, or one
+        # whose parameters are all frozen, has none.
+        return self.config.trains and self.world_size > 1 and self._num_slots > 0
+
+    def build(self, backward: bool = True) -> None:
+        """Collective: allocate the model's regions, at apply_odc and again after `release()`; what exists
+        already stays. `backward=False` for a phase's forward-only passes: the accumulator waits for a pass
+        that trains. Every rank calls it at the same point of its collectives (e.g. when a pass starts).
+
+        A rank whose allocation raises fails the build on every rank at once, as a failed mini-batch
+        (`abort`): every peer raises ODCPeerFailedError naming it, each rank's regions are released, and a
+        next build() can succeed."""
         self._check_usable()
-        if not self.released:
+        accumulator = backward and self._needs_accumulator and self.grads is None
+        if not (self.released or accumulator):
             return
         start = time.perf_counter()
         try:
-            self._allocate()
-        except BaseException:
-            self._free_regions()  # a failed build leaves nothing allocated: the next one starts clean
-            raise
+            self._allocate(accumulator)
+        except BaseException as error:
+            failure = self.abort(error)
+            # After the recovery meeting every rank holds the same regions (an alloc that failed anywhere
+            # kept nothing anywhere), so collective frees match; a group past a timeout meets no more.
+            self._free_regions(collective=self._broken is None)
+            raise failure  # noqa: B904  (abort returns `error` itself, or the peer's failure it caused)
         self.build_s += time.perf_counter() - start
 
-    def _allocate(self) -> None:
-        transport = self.transport
-        self.params = transport.alloc("odc.params", self._param_bytes, torch.uint8)
-        # With one rank FSDP never calls its comm hooks and builds `.grad` itself; a forward-only model, or one
-        # whose parameters are all frozen, has none.
-        if self.config.trains and self.world_size > 1 and self._num_slots:
+    def _allocate(self, accumulator: bool) -> None:
+        """The regions not built yet; nothing after the last alloc may fail on one rank alone (its peers
+        would have left build())."""
+        transport, timeout_s = self.transport, self.config.barrier_timeout_s
+        if self.params is None:
+            self.params = transport.alloc("odc.params", self._param_bytes, torch.uint8, timeout_s)
+            self.published = transport.alloc("odc.published", 1, torch.int64, timeout_s)
+        if accumulator:
             # One region, so that HSDP sums the accumulators and the used flags across replicas in one bucket.
-            self.grads = transport.alloc("odc.grads", self.grad_numel + self._num_slots, torch.float32)
+            most = max((len(layout.slots) for layout in self.layouts), default=0)
+            grads = transport.alloc("odc.grads", self.grad_numel + self._num_slots, torch.float32, timeout_s)
+            self.grads = grads
             carries = self.mesh.replicate_group is None or dist.get_rank(self.mesh.replicate_group) == 0
             slots = [(slot, layout.grad_offset + slot.offset) for layout in self.layouts for slot in layout.slots]
-            self._gradients = GradientStorage(self.grads.local, slots, carries)
-            most = max((len(layout.slots) for layout in self.layouts), default=0)
-            self._ones = torch.ones(most, device=self.grads.local.device)
-        self.published = transport.alloc("odc.published", 1, torch.int64)
+            self._gradients = GradientStorage(grads.local, slots, carries)
+            self._ones = torch.ones(most, device=grads.local.device)
 
     def release(self) -> None:
         """Collective, between mini-batches: free the model's regions on every rank (the published shards and
@@ -326,12 +343,12 @@ class OnDemandComm:
         self._free_regions()
         self.build_s += time.perf_counter() - start
 
-    def _free_regions(self) -> None:
+    def _free_regions(self, collective: bool = True) -> None:
         names = [region.name for region in (self.published, self.grads, self.params) if region is not None]
         # Every view of a region goes before the region itself (Transport.free).
         self.params = self.grads = self.published = None
         self._gradients, self._ones = None, None
-        for name in names:
+        for name in names if collective else ():
             self.transport.free(name)
 
     def calibrate(
@@ -406,6 +423,11 @@ class OnDemandComm:
             )
         if self.released:
             raise RuntimeError("ODC's regions are released (release()); call build() on every rank before begin()")
+        if backward and self._needs_accumulator and self.grads is None:
+            raise RuntimeError(
+                "ODC's gradient accumulator is not built (build(backward=False)); call build() on every rank "
+                "before a backward begin()"
+            )
         with self.guard():
             self.in_minibatch, self._backward = True, backward
             self._begin_time = time.perf_counter()

@@ -1,5 +1,7 @@
 """The shared-memory transport with real processes."""
 
+import re
+
 import pytest
 import torch
 
@@ -23,7 +25,9 @@ def test_concurrent_accumulates_lose_nothing_and_gets_read_peers(method):
 def test_barrier_timeout_names_the_missing_rank():
     results = run_ranks(transport_workers.late_rank, 3, "shm", 2)
     for rank in (0, 1):
-        assert results[rank] == f"rank {rank}: ODC barrier #1 timed out after 1s; rank(s) [2] did not arrive"
+        # rank 2 skips the barrier and exits: its peers stop waiting once its process is gone, or at the timeout
+        ended = r"(timed out after 1s|failed \(rank 2's process \(pid \d+\) has exited\))"
+        assert re.fullmatch(rf"rank {rank}: ODC barrier #1 {ended}; rank\(s\) \[2\] did not arrive", results[rank])
 
 
 def test_rank_arriving_after_its_peers_gave_up_fails_at_that_barrier():
@@ -121,8 +125,9 @@ def test_misuse_is_refused_up_front_and_changes_nothing():
             "TypeError: out must be a torch.Tensor, got list",
             "ValueError: src is on meta but region 'r' is on cpu",
         ]
-        # both ranks met at the same two barriers: none of rank 1's refused waits counted as an arrival
-        assert res["epoch"] == 2, res["epoch"]
+        # both ranks met at the same two barriers, after the two meetings of the region's set-up: none of
+        # rank 1's refused waits counted as an arrival
+        assert res["epoch"] == 4, res["epoch"]
         # only the bf16 add landed, once
         assert res["local"] == [1.0 + k + 10 * rank for k in range(4)], res["local"]
     assert results[1]["waits"] == [

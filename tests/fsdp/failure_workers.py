@@ -13,12 +13,13 @@ import time
 import torch
 
 from odc_plugin.comm import make_transport
+from odc_plugin.comm.base import SETUP_TIMEOUT_S, DelegatingTransport
 from odc_plugin.fsdp import apply_odc, shard_group
 from odc_plugin.models import token_mean_loss
 
 from .hsdp_workers import full_params as hsdp_full_params
 from .hsdp_workers import hsdp_model
-from .workers import count_targets, full_params, sharded_model
+from .workers import TRANSPORT, count_targets, full_params, on_device, sharded_model
 
 INJECTED = "injected failure"
 # Where the culprit's mini-batch fails: before begin() (its preparation raised), after its first
@@ -232,3 +233,49 @@ def refused_setup_then_retry(rank, world_size, seqs, plan):
     accumulator = frozen_odc.memory_bytes().accumulator
     frozen_odc.close()
     return refusal, left, grads, accumulator
+
+
+class OutOfMemoryAt(DelegatingTransport):
+    """The real transport, whose allocation of region `at` raises MemoryError once on this rank, as an
+    allocator out of memory does: before the rank joins any step of the collective set-up."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.at: str | None = None
+
+    def alloc(self, name, numel, dtype, timeout_s=SETUP_TIMEOUT_S):
+        if name == self.at:
+            self.at = None
+            raise MemoryError(f"{INJECTED}: out of memory allocating '{name}' on rank {self.rank}")
+        return super().alloc(name, numel, dtype, timeout_s)
+
+
+# The regions build() allocates, in its order: the first, and the last (after the others were built).
+BUILD_FAILS_AT = ("odc.params", "odc.grads")
+
+
+def failed_builds_then_retry(rank, world_size, retried, culprit, device="cpu"):
+    """apply_odc (the first build) and release(), then a build() in which rank `culprit` runs out of
+    memory at each region of BUILD_FAILS_AT in turn, then a build that succeeds and one mini-batch with an
+    AdamW step (`retried`: sequences and plan). Returns what this rank raised and how long each failed
+    build took, what its transport's regions held after them, and the trained parameters."""
+    model = sharded_model(rank, world_size, device=device)
+    transport = OutOfMemoryAt(make_transport(TRANSPORT[device]))
+    odc = apply_odc(model, transport)
+    odc.release()
+    failures = []
+    for region in BUILD_FAILS_AT:
+        transport.at = region if rank == culprit else None
+        start = time.monotonic()
+        try:
+            odc.build()
+            outcome = "built"
+        except Exception as e:  # noqa: BLE001  (what each rank raised is the result)
+            outcome = f"{type(e).__name__}: {e}"
+        failures.append((outcome, time.monotonic() - start, transport.held_bytes()))
+    odc.build()
+    seqs, plan = retried
+    good_minibatch(model, odc, _adamw(model), rank, world_size, on_device(seqs, device), plan)
+    params = full_params(model)
+    odc.close()
+    return {"failures": failures, "params": params}

@@ -8,6 +8,8 @@ new mini-batch, whose parameters must equal one process trained on that mini-bat
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -20,6 +22,10 @@ from .test_odc_core import random_plan, reference_train_steps
 
 WORLD, CULPRIT = 3, 1
 WAIT_BOUND_S = 5.0
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="needs a CUDA GPU and Triton (the `gpu` extra) for the cuda_ipc transport",
+)
 
 
 def _error(rank: int, culprit: int, where: str) -> str:
@@ -178,3 +184,24 @@ def test_a_config_of_the_wrong_type_or_value_is_refused_naming_the_field(options
     with pytest.raises((TypeError, ValueError)) as refused:
         ODCConfig(**options)
     assert str(refused.value) == error
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_a_rank_out_of_memory_in_a_build_fails_every_rank_at_once_and_a_retry_equals_one_process(device):
+    """3 ranks, shm on CPU and cuda_ipc on GPUs: after a release, rank 1 runs out of memory building the
+    regions again, at the first region and at the last; every rank fails within 5 s naming rank 1, holds
+    no region after it, and a retry builds and trains as one process on that mini-batch alone."""
+    seqs = workers.make_sequences(9, seed=23)
+    retried = (seqs, random_plan(len(seqs), [2, 3, 1], seed=23))
+    results = run_ranks(failure_workers.failed_builds_then_retry, WORLD, retried, CULPRIT, device, timeout_s=300)
+    expected = reference_train_steps(seqs, 1, device)
+    for k, region in enumerate(failure_workers.BUILD_FAILS_AT):
+        own = f"MemoryError: {failure_workers.INJECTED}: out of memory allocating '{region}' on rank {CULPRIT}"
+        for rank, r in enumerate(results):
+            outcome, elapsed, held = r["failures"][k]
+            peer = f"ODCPeerFailedError: rank {rank}: rank {CULPRIT} failed in its mini-batch: {own}"
+            assert outcome == (own if rank == CULPRIT else peer), (rank, outcome)
+            assert elapsed < WAIT_BOUND_S and held == 0, (rank, region, elapsed, held)
+        print(f"{device}, '{region}': every rank failed within {max(r['failures'][k][1] for r in results):.2f} s")
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {assert_weights_agree(r['params'], expected, 1e-5, f'rank {rank}')}")
