@@ -135,3 +135,28 @@ def _allocated(cuda: bool) -> int:
         return 0
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated()
+
+
+def forward_only_passes_of_a_trained_model(rank, world_size, seqs):
+    """A trained model under bf16 mixed precision, its regions released before each pass and built at its
+    start as verl's engine does between phases: a forward-only pass built with build(backward=False), a
+    pass that trains, and a forward-only pass built with build() (what every forward-only pass held before
+    the engine built with backward=False). memory_bytes() in each pass."""
+    model = sharded_model(rank, world_size, mixed_precision=True)
+    odc = apply_odc(model, make_transport("shm"))
+    out = {}
+    for label, builds_accumulator, backward in (
+        ("forward-only", False, False),
+        ("trained", True, True),
+        ("forward-only, accumulator built", True, False),
+    ):
+        odc.release()
+        model.zero_grad(set_to_none=True)  # as the optimizer step before a phase leaves `.grad`
+        odc.build(backward=builds_accumulator)
+        with odc.minibatch(backward=backward), torch.set_grad_enabled(backward):
+            loss = token_mean_loss(model, seqs, count_targets(seqs), world_size)
+            if backward:
+                loss.backward()
+        out[label] = odc.minibatch_memory
+    odc.close()
+    return out

@@ -102,3 +102,22 @@ def test_gpu_memory_after_offload_and_backward_peak_against_stock_fsdp2(tmp_path
 def test_the_gpu_memory_benchmark_measures_nothing_without_a_gpu():
     run = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True)
     assert run.returncode == 0 and "nothing measured: no GPU" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_forward_only_pass_of_a_trained_model_holds_the_published_copy_alone():
+    """3 shm ranks, bf16 mixed precision: a forward-only pass built with build(backward=False) adds the
+    published copy alone (2 bytes per parameter and its flag) and no accumulator, where build() allocated the
+    fp32 accumulator too; the pass that trains builds it, and it is then `.grad`'s storage."""
+    seqs = workers.make_sequences(6, seed=35)
+    for rank, m in enumerate(run_ranks(memory_workers.forward_only_passes_of_a_trained_model, WORLD, seqs)):
+        forward, trained = m["forward-only"], m["trained"]
+        before = m["forward-only, accumulator built"]
+        print(
+            f"rank {rank}: extra bytes per parameter, forward-only pass {forward.extra_bytes_per_param:.3f} "
+            f"(accumulator built: {before.extra_bytes_per_param:.3f}), trained {trained.extra_bytes_per_param:.3f}"
+        )
+        assert forward.accumulator == 0 and 2.0 <= forward.extra_bytes_per_param < 2.1, (
+            forward
+        )  # shards padded to equal sizes
+        assert trained.accumulator > 0 and trained.grad_storage > 0, trained
+        assert before.accumulator > 0 and forward.held < before.held, (forward, before)
