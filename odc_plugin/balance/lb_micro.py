@@ -52,7 +52,13 @@ def lb_micro(seqlens: Sequence[int], dp_size: int, max_token_len: int, micro_bat
                 f"must divide them; got micro_batch_size={micro_batch_size!r}"
             )
         return [chunk(rank, micro_batch_size) for rank in ranks]
-    batches = [_as_verl_batch([lens[i] for i in rank]) for rank in ranks]
+    return lockstep_micro_batches(lens, ranks, max_token_len)
+
+
+def lockstep_micro_batches(seqlens: Sequence[int], shares: list[list[int]], max_token_len: int) -> RankPlan:
+    """Each rank's share (indices into seqlens) cut into micro-batches under the token budget as verl's
+    rearrange_micro_batches cuts it with a dp group: as many on every rank as the busiest needs."""
+    batches = [_as_verl_batch([seqlens[i] for i in share]) for share in shares]
     # At least one micro-batch: verl derives the count from the token total, which is 0 for a rank of empty samples.
     local = [_split(b, max_token_len, 1) for b in batches]
     # rearrange_micro_batches with a dp group starts every rank at the largest rank's count and raises it
@@ -63,7 +69,7 @@ def lb_micro(seqlens: Sequence[int], dp_size: int, max_token_len: int, micro_bat
         if all(len(m) == shared for m in local):
             break
         local = [m if len(m) == shared else _split(b, max_token_len, shared) for m, b in zip(local, batches)]
-    return [[[rank[i] for i in mb] for mb in m] for rank, m in zip(ranks, local)]
+    return [[[share[i] for i in mb] for mb in m] for share, m in zip(shares, local)]
 
 
 def verl_micro_batches(seqlens: Sequence[int], max_token_len: int) -> list[list[int]]:

@@ -6,15 +6,19 @@ called by the patched `PPOTrainer.init`).
   written here finds, calling the registered function itself on padded micro-batches of two packings of its
   own; the losses known to depend on the packing (GMPO, Clip-Cov, KL-Cov) are found to, in every mode;
 * the critic's value loss under every `loss_agg_mode`, the same way;
+* docs/verl.md's loss table is what the probe finds (tests/verl/loss_table.py writes it);
+* the probe's data and packings: log-probabilities at or below 0 down to -20, advantages of size 10, fully masked
+  and long responses, so that a loss whose dependence on the packing shows only there is refused; the packings
+  odc runs (micro-batches of one sample stay one sample: GMPO, Clip-Cov with GRPO's advantages and KL-Cov pass);
+* a loss that raises or whose gradient is not finite is refused in one line, never found invariant; a role that
+  packs as fsdp2 is not probed at all;
 * the trainer's entry refuses geo_mean, clip_cov and kl_cov (and the critic's unscaled
-  `seq-mean-token-sum-norm`) at start, in one line naming the key, before anything else starts; a role that
-  packs as fsdp2 does (`odc_balancer=lb_micro`, fixed micro-batch sizes) is not refused;
-* losses a user registers with `register_policy_loss`: one normalizing by its own micro-batch is refused, one
-  using verl's `agg_loss` passes, and verl's real engines on 2 gloo ranks show why: under odc's uneven shares
-  the first trains other weights than under fsdp2, the second the same;
+  `seq-mean-token-sum-norm`) at start, in one line naming the key and the settings that would fix it, before
+  anything else starts;
+* losses a user registers with `register_policy_loss` or `register_distillation_loss`: one normalizing by its
+  own micro-batch is refused, one using verl's `agg_loss` passes, and verl's real engines on 2 gloo ranks show
+  why: under odc's uneven shares the first trains other weights than under fsdp2, the second the same;
 * the probe leaves the caller's random state alone.
-
-The table of every registered mode's verdict and difference is printed with `-s`.
 """
 
 from __future__ import annotations
@@ -28,10 +32,19 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, get_policy_loss_fn, register_policy_loss
 
 from odc_plugin.verl.dispatch import ACTOR, check_losses
-from odc_plugin.verl.loss_probe import LOSS_AGG_MODES, ProbeShape, probe_actor_loss, probe_critic_loss
+from odc_plugin.verl.loss_probe import (
+    DATA_RANGES,
+    LOSS_AGG_MODES,
+    advantages_per_token,
+    packings,
+    probe_actor_loss,
+)
 from odc_plugin.verl.ppo_config import compose
 from tests.verl import harness as H
+from tests.verl import loss_table
 from tests.verl.dispatch_ranks import SGD
+from tests.verl.loss_table import SHAPE
+from tests.verl.loss_table import actor_config as _actor_config
 
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
 needs_tq = pytest.mark.skipif(
@@ -39,28 +52,11 @@ needs_tq = pytest.mark.skipif(
     reason="verl's v1 trainer imports the TransferQueue package (pip install TransferQueue==0.1.10)",
 )
 
-# The run's shape the tests probe: odc-grpo-cpu's (2 ranks, 8 prompts x 4 responses, dynamic batch sizes).
-SHAPE = ProbeShape(dp_size=2, samples=32, max_prompt_length=96, max_response_length=64, max_token_len=160)
 # The aggregations a mode is tested under: verl's, and seq-mean-token-sum-norm with a loss_scale_factor.
-AGGREGATIONS = [(mode, None) for mode in LOSS_AGG_MODES] + [("seq-mean-token-sum-norm", 64)]
+AGGREGATIONS = [(mode, None) for mode in LOSS_AGG_MODES] + [("seq-mean-token-sum-norm", loss_table.FACTOR)]
 # Losses whose gradient depends on the micro-batch's own samples, whatever the aggregation.
 PACKING_DEPENDENT = ("geo_mean", "clip_cov", "kl_cov")
 DIRECT_RTOL = 1e-9  # float64, as the probe's
-
-
-def _actor_config(loss_mode: str, loss_agg_mode: str = "token-mean", loss_scale_factor=None, **kw):
-    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-
-    return FSDPActorConfig(
-        strategy="fsdp2",
-        rollout_n=4,
-        use_dynamic_bsz=True,
-        loss_agg_mode=loss_agg_mode,
-        loss_scale_factor=loss_scale_factor,
-        # dro refuses to run without its penalty
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.1),
-        **kw,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,28 +138,15 @@ def _direct_policy_difference(config, seed: int) -> float:
     return _direct_difference(_direct_batch(seed), "new", micro_loss)
 
 
-@pytest.fixture(scope="module")
-def registry_table():
-    rows: list[str] = []
-    yield rows
-    print("\n| policy_loss.loss_mode | loss_agg_mode | probe | difference (probe; direct) |\n|---|---|---|---|")
-    print("\n".join(rows))
-
-
 @pytest.mark.parametrize("loss_mode", list(POLICY_LOSS_REGISTRY))
-def test_probe_agrees_with_a_direct_two_packing_computation(loss_mode, registry_table):
+def test_probe_agrees_with_a_direct_two_packing_computation(loss_mode):
     for agg, factor in AGGREGATIONS:
-        config = _actor_config(loss_mode, agg, factor)
-        verdict = probe_actor_loss(config, SHAPE)
-        direct = max(_direct_policy_difference(config, seed) for seed in range(2))
+        verdict = loss_table.verdict("policy", loss_mode, agg, factor, SHAPE)
+        direct = max(_direct_policy_difference(_actor_config(loss_mode, agg, factor), seed) for seed in range(2))
         name = f"{agg}" + (f", loss_scale_factor={factor}" if factor else "")
-        assert verdict.invariant == (direct <= DIRECT_RTOL), (loss_mode, name, verdict, direct)
+        assert verdict.failure is None and verdict.invariant == (direct <= DIRECT_RTOL), (loss_mode, name, verdict)
         if loss_mode in PACKING_DEPENDENT or (agg == "seq-mean-token-sum-norm" and not factor and loss_mode != "sapo"):
             assert not verdict.invariant, (loss_mode, name)
-        registry_table.append(
-            f"| {loss_mode} | {name} | {'same' if verdict.invariant else 'refused'} | "
-            f"{verdict.difference:.1e}; {direct:.1e} |"
-        )
 
 
 @pytest.mark.parametrize("agg,factor", AGGREGATIONS)
@@ -174,7 +157,7 @@ def test_critic_probe_agrees_with_a_direct_two_packing_computation(agg, factor):
     config = FSDPCriticConfig(
         strategy="fsdp2", ppo_micro_batch_size_per_gpu=2, loss_agg_mode=agg, loss_scale_factor=factor
     )
-    verdict = probe_critic_loss(config, SHAPE)
+    verdict = loss_table.verdict("critic", "", agg, factor, SHAPE)
 
     def micro_loss(f, dp, tokens, samples):
         loss, _ = compute_value_loss(
@@ -214,6 +197,71 @@ def test_probe_leaves_the_callers_random_state_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_the_loss_table_in_the_docs_is_what_the_probe_finds():
+    """docs/verl.md's table of every registered loss's verdict, as tests/verl/loss_table.py computes it now."""
+    assert loss_table.documented() == loss_table.table(), (
+        "docs/verl.md's loss table is not what the probe finds; if the change is meant: python -m tests.verl.loss_table"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the probe's data and packings
+# ---------------------------------------------------------------------------------------------
+
+
+def test_packings_are_verls_and_odcs():
+    """fsdp2's packing: equal shares cut as verl cuts them (the same number of micro-batches on every rank
+    under a budget); odc's: LB-Mini's uneven shares, or verl's equal ones under lb_micro, each cut as the odc
+    engine cuts a share; every sample once in each; micro-batches of one sample stay one sample."""
+    lengths = [int(x) for x in torch.randint(2, 150, (32,), generator=torch.Generator().manual_seed(0))]
+    fixed = dataclasses.replace(SHAPE, micro_batch_size=2, max_token_len=None)
+    one = dataclasses.replace(fixed, micro_batch_size=1)
+    for shape in (SHAPE, fixed, one, dataclasses.replace(SHAPE, balancer="lb_micro")):
+        fsdp2, odc = packings(shape, lengths, seed=1)
+        for packing in (fsdp2, odc):
+            assert sorted(s for rank in packing for micro in rank for s in micro) == list(range(32)), shape
+            if shape.micro_batch_size is None:
+                assert all(sum(lengths[s] for s in micro) <= SHAPE.max_token_len for rank in packing for micro in rank)
+            else:
+                assert all(len(micro) <= shape.micro_batch_size for rank in packing for micro in rank)
+        assert {len(rank) for rank in fsdp2} == {len(fsdp2[0])}  # fsdp2: the same count on every rank
+        shares = [sum(len(micro) for micro in rank) for rank in odc]
+        if shape.balancer == "lb_micro":
+            assert [sorted(s for micro in rank for s in micro) for rank in odc] == [
+                sorted(s for micro in rank for s in micro) for rank in fsdp2
+            ]
+            assert len({len(rank) for rank in odc}) > 1  # each rank its own count: what the probe compares
+        else:
+            assert len(set(shares)) > 1  # LB-Mini's uneven shares
+    fsdp2, odc = packings(one, lengths, seed=1)
+    assert all(len(micro) == 1 for packing in (fsdp2, odc) for rank in packing for micro in rank)
+
+
+def test_advantages_per_token_follow_the_estimator():
+    """GAE's advantages differ over a response's tokens, GRPO's and RLOO's do not; an estimator that cannot run
+    on the probe's batch counts as per token."""
+    from omegaconf import OmegaConf
+
+    base = compose([]).algorithm
+    for estimator, per_token in (("gae", True), ("grpo", False), ("rloo", False), ("reinforce_plus_plus", False)):
+        algorithm = OmegaConf.merge(base, {"adv_estimator": estimator})
+        assert advantages_per_token(algorithm, group_size=4) is per_token, estimator
+    assert advantages_per_token(OmegaConf.merge(base, {"adv_estimator": "no_such_estimator"}), group_size=4)
+
+
+def test_micro_batches_of_one_sample_train_packing_dependent_losses_as_fsdp2():
+    """With a fixed micro-batch size of 1, odc runs each sample in a micro-batch of its own, as fsdp2 does: GMPO
+    and KL-Cov are the same whatever rank runs a sample; Clip-Cov too with GRPO's advantages (one per response:
+    a single response's covariance is 0, so it clips nothing), not with GAE's, where it draws among a response's
+    tokens at random and the draws follow the rank's random stream. Under LB-Mini's dynamic packing all three
+    are refused in every aggregation."""
+    for mode in PACKING_DEPENDENT:
+        assert not any(loss_table.verdict("policy", mode, agg, None, SHAPE).invariant for agg in LOSS_AGG_MODES)
+        assert loss_table.verdict("policy", mode, "token-mean", None, loss_table.ONE_PER_RESPONSE).invariant, mode
+        per_token = loss_table.verdict("policy", mode, "token-mean", None, loss_table.ONE_PER_TOKEN)
+        assert per_token.invariant == (mode != "clip_cov"), mode
+
+
 # ---------------------------------------------------------------------------------------------
 # the refusal, through the entry the trainer calls
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +284,17 @@ CRITIC = [
     "critic.ppo_micro_batch_size_per_gpu=2",
 ]
 ODC_OPTIONS = ["hydra.searchpath=[pkg://odc_plugin.configs]", "model_engine=odc"]
+# a fixed micro-batch size of 1 (verl requires the log-prob passes to batch as the update does)
+ONE_SAMPLE = [
+    f"{ACTOR}.use_dynamic_bsz=False",
+    f"{ACTOR}.ppo_micro_batch_size_per_gpu=1",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+]
+AS_FSDP2 = (
+    f"pack as fsdp2 with {ACTOR}.fsdp_config.odc_balancer=lb_micro and a fixed micro-batch size, or train {ACTOR} "
+    f"with strategy=fsdp2"
+)
 
 
 def _refusal(*overrides) -> str:
@@ -248,16 +307,40 @@ def _refusal(*overrides) -> str:
 
 @pytest.mark.parametrize("loss_mode", PACKING_DEPENDENT)
 def test_packing_dependent_policy_losses_are_refused_in_one_line(loss_mode):
+    """The refusal names the key, and what would train as fsdp2: the registry's invariant modes, micro-batches of
+    one sample where they are invariant (not Clip-Cov's with GAE's advantages, BASE's estimator), fsdp2's
+    packing, fsdp2."""
     message = _refusal(f"{ACTOR}.policy_loss.loss_mode={loss_mode}")
     assert message.startswith(
-        f"odc: {ACTOR}.policy_loss.loss_mode={loss_mode} depends on which samples share a micro-batch (packed "
-        f"otherwise, the same mini-batch's gradient differs by "
+        f"odc: {ACTOR}.policy_loss.loss_mode={loss_mode} depends on which samples share a micro-batch or a rank "
+        f"(packed as odc packs them, the same mini-batch's gradient differs by "
     )
-    # what to do: the invariant modes of the registry, fsdp2's packing, or fsdp2
     offered = message.split("use a packing-invariant policy_loss.loss_mode (")[1].split(")")[0].split(", ")
     assert {"vanilla", "gspo", "cispo"} <= set(offered) and not set(offered) & set(PACKING_DEPENDENT)
-    assert message.endswith(
-        f"pack as fsdp2 with odc_balancer=lb_micro and a fixed micro-batch size, or train {ACTOR} with strategy=fsdp2"
+    one_sample = f"use micro-batches of one sample ({ACTOR}.ppo_micro_batch_size_per_gpu=1 with use_dynamic_bsz=False"
+    assert (one_sample in message) == (loss_mode != "clip_cov")
+    assert message.endswith(AS_FSDP2)
+
+
+def test_micro_batches_of_one_sample_pass_packing_dependent_losses():
+    """With a fixed micro-batch size of 1 under LB-Mini and GRPO's advantages: accepted; Clip-Cov with GAE's is
+    refused, and offered the modes that are invariant in micro-batches of one sample (GMPO, KL-Cov among them)."""
+    grpo = "algorithm.adv_estimator=grpo"
+    for mode in PACKING_DEPENDENT:
+        (verdict,) = check_losses(compose([*BASE, *ONE_SAMPLE, grpo, f"{ACTOR}.policy_loss.loss_mode={mode}"])).values()
+        assert verdict.invariant, mode
+    message = _refusal(*ONE_SAMPLE, f"{ACTOR}.policy_loss.loss_mode=clip_cov")
+    offered = message.split("use a packing-invariant policy_loss.loss_mode (")[1].split(")")[0].split(", ")
+    assert {"geo_mean", "kl_cov", "vanilla"} <= set(offered) and "micro-batches of one sample" not in message
+
+
+def test_geo_mean_with_unscaled_seq_mean_token_sum_norm_is_told_to_set_the_factor_too():
+    """GMPO ignores the aggregation, the entropy and KL terms do not: another loss mode alone would still be
+    refused for the unscaled seq-mean-token-sum-norm, so the refusal names loss_scale_factor with it."""
+    message = _refusal(f"{ACTOR}.policy_loss.loss_mode=geo_mean", f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm")
+    assert (
+        f"; set {ACTOR}.loss_scale_factor (e.g. to data.max_response_length) and use a packing-invariant "
+        f"policy_loss.loss_mode (vanilla, " in message
     )
 
 
@@ -283,8 +366,7 @@ def test_roles_on_fsdp2_are_not_probed_and_fsdp2_packing_is_not_refused():
     # odc's engine config for every role (the critic's too: it needs its micro-batch size then)
     lb_micro = [*ODC_OPTIONS, f"{ACTOR}.fsdp_config.odc_balancer=lb_micro", "critic.ppo_micro_batch_size_per_gpu=2"]
     geo_mean = f"{ACTOR}.policy_loss.loss_mode=geo_mean"
-    verdicts = check_losses(compose([*BASE, *lb_micro, *fixed, geo_mean]))
-    assert not verdicts[ACTOR].invariant  # packing-dependent, but packed as under fsdp2
+    assert ACTOR not in check_losses(compose([*BASE, *lb_micro, *fixed, geo_mean]))  # packs as fsdp2: not probed
     _refusal(*lb_micro, geo_mean)  # dynamic batch sizes: each rank packs its own number of micro-batches
     _refusal(*fixed, geo_mean)  # LB-Mini's uneven shares
 
@@ -292,7 +374,9 @@ def test_roles_on_fsdp2_are_not_probed_and_fsdp2_packing_is_not_refused():
 def test_critic_packing_is_its_engines():
     """verl 0.9.1 builds the critic's engine from critic.fsdp alone (use_dynamic_bsz True by default there, with
     the critic's inference token budget): critic.use_dynamic_bsz=False with a micro-batch size does not make
-    it pack as fsdp2 under lb_micro, so a packing-dependent critic loss is refused; lockstep packs as fsdp2."""
+    it pack as fsdp2 under lb_micro, whose ranks each pack their own number of micro-batches; a packing-dependent
+    critic loss is refused where those numbers can differ, accepted where the budget holds a rank's whole share
+    (here by default: 16 samples of at most 160 tokens, 32768 tokens); lockstep packs as fsdp2."""
     sum_norm = [
         *CRITIC,
         *ODC_OPTIONS,
@@ -300,9 +384,11 @@ def test_critic_packing_is_its_engines():
         "critic.use_dynamic_bsz=False",
         "critic.loss_agg_mode=seq-mean-token-sum-norm",
     ]
-    assert _refusal(*sum_norm).startswith("odc: critic.loss_agg_mode=seq-mean-token-sum-norm without ")
-    verdicts = check_losses(compose([*BASE, *sum_norm, "critic.fsdp.odc_lockstep=True"]))
-    assert not verdicts["critic"].invariant  # packing-dependent, but packed as under fsdp2
+    tight = "+critic.ppo_infer_max_token_len_per_gpu=320"
+    assert _refusal(*sum_norm, tight).startswith("odc: critic.loss_agg_mode=seq-mean-token-sum-norm without ")
+    assert check_losses(compose([*BASE, *sum_norm]))["critic"].invariant
+    verdicts = check_losses(compose([*BASE, *sum_norm, tight, "critic.fsdp.odc_lockstep=True"]))
+    assert list(verdicts) == [ACTOR]  # the critic packs as under fsdp2: not probed
 
 
 @needs_tq
@@ -346,16 +432,76 @@ def _with_agg_loss(
     return loss, {}
 
 
+def _micro_batch_mean_nan_above_0(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """_micro_batch_mean, NaN where a log-probability is above 0, which no real one is."""
+    import verl.utils.torch_functional as verl_F
+
+    return verl_F.masked_mean(torch.where(log_prob > 0, torch.nan, -advantages * log_prob), response_mask), {}
+
+
+def _with_agg_loss_and_micro_batch_mean_where(where):
+    """_with_agg_loss plus REINFORCE averaged over the micro-batch's tokens where `where(old_log_prob,
+    advantages)`: packing-dependent where there are such tokens, invariant on a batch without any."""
+
+    def loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
+        import verl.utils.torch_functional as verl_F
+
+        invariant, _ = _with_agg_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+        selected = response_mask & where(old_log_prob, advantages)
+        return invariant + verl_F.masked_mean(-advantages * log_prob, selected), {}
+
+    return loss
+
+
+def _not_finite(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """_with_agg_loss of a log-probability's square root: NaN on every real one."""
+    return _with_agg_loss(old_log_prob, log_prob.sqrt(), advantages, response_mask, loss_agg_mode, config)
+
+
+def _needs_a_process_group(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """_with_agg_loss over the data-parallel world, read from torch.distributed: there is none in the trainer's
+    process, where the probe runs."""
+    loss, metrics = _with_agg_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+    return loss / torch.distributed.get_world_size(), metrics
+
+
+LOW_TAIL, LARGE_ADVANTAGES = "odc_test_low_tail", "odc_test_large_advantages"
+NAN_ABOVE_0, NOT_FINITE, NEEDS_GROUP = "odc_test_nan_above_0", "odc_test_not_finite", "odc_test_needs_group"
+USER_LOSSES = {
+    MICRO_MEAN: _micro_batch_mean,
+    AGG_LOSS: _with_agg_loss,
+    NAN_ABOVE_0: _micro_batch_mean_nan_above_0,
+    LOW_TAIL: _with_agg_loss_and_micro_batch_mean_where(lambda old, adv: old < -10),
+    LARGE_ADVANTAGES: _with_agg_loss_and_micro_batch_mean_where(lambda old, adv: adv.abs() > 8),
+    NOT_FINITE: _not_finite,
+    NEEDS_GROUP: _needs_a_process_group,
+}
+
+
 def _register_user_losses() -> None:
-    register_policy_loss(MICRO_MEAN)(_micro_batch_mean)
-    register_policy_loss(AGG_LOSS)(_with_agg_loss)
+    for name, loss in USER_LOSSES.items():
+        register_policy_loss(name)(loss)
 
 
 @pytest.fixture
 def user_losses():
     _register_user_losses()
     yield
-    for name in (MICRO_MEAN, AGG_LOSS):
+    for name in USER_LOSSES:
         POLICY_LOSS_REGISTRY.pop(name)
 
 
@@ -365,6 +511,81 @@ def test_user_registered_losses_refused_or_passed_by_what_they_normalize_by(user
     assert AGG_LOSS in message  # offered: it is packing-invariant
     (verdict,) = check_losses(compose([*BASE, f"{ACTOR}.policy_loss.loss_mode={AGG_LOSS}"])).values()
     assert verdict.invariant
+
+
+def test_the_probe_draws_data_like_real_rl_data(user_losses):
+    """Log-probabilities at or below 0 (a loss that is NaN above 0 is compared, and refused for its micro-batch
+    mean), with a tail below -10, and advantages of size 10: a loss whose dependence on the packing shows only
+    there is refused."""
+    for mode in (NAN_ABOVE_0, LOW_TAIL, LARGE_ADVANTAGES):
+        assert _refusal(f"{ACTOR}.policy_loss.loss_mode={mode}").startswith(
+            f"odc: {ACTOR}.policy_loss.loss_mode={mode} depends on which samples share a micro-batch or a rank "
+        ), mode
+
+
+def test_a_loss_that_raises_or_is_not_finite_is_refused_in_one_line_unless_packed_as_fsdp2(user_losses):
+    def unchecked(mode: str) -> str:
+        return (
+            f"odc: cannot tell whether {ACTOR}'s loss (policy_loss.loss_mode={mode}, loss_agg_mode=token-mean) "
+            f"trains under strategy=odc as under fsdp2: "
+        )
+
+    assert _refusal(f"{ACTOR}.policy_loss.loss_mode={NOT_FINITE}") == (
+        f"{unchecked(NOT_FINITE)}its gradient is not finite on synthetic data drawn like a real batch ({DATA_RANGES}); "
+        f"pack as fsdp2 with {ACTOR}.fsdp_config.odc_balancer=lb_micro and a fixed micro-batch size (it is not "
+        f"probed then), or train {ACTOR} with strategy=fsdp2"
+    )
+    assert _refusal(f"{ACTOR}.policy_loss.loss_mode={NEEDS_GROUP}").startswith(
+        f"{unchecked(NEEDS_GROUP)}it raised ValueError: Default process group has not been initialized"
+    )
+    # packed as fsdp2 packs it, a loss is not probed: it trains as under fsdp2, whatever it needs
+    lb_micro = [*ODC_OPTIONS, f"{ACTOR}.fsdp_config.odc_balancer=lb_micro", "critic.ppo_micro_batch_size_per_gpu=2"]
+    for mode in (NOT_FINITE, NEEDS_GROUP):
+        config = compose([*BASE, *lb_micro, *ONE_SAMPLE, f"{ACTOR}.policy_loss.loss_mode={mode}"])
+        assert ACTOR not in check_losses(config)
+
+
+DISTILL_MICRO_MEAN = "odc_test_distillation_over_micro_batch"
+
+
+@pytest.fixture
+def user_distillation_loss():
+    from verl.trainer.distillation.losses import (
+        DISTILLATION_LOSS_REGISTRY,
+        DISTILLATION_SETTINGS_REGISTRY,
+        DistillationLossSettings,
+        register_distillation_loss,
+    )
+
+    def over_micro_batch(config, distillation_config, model_output, data):
+        """k3 against the teacher over its mean in the micro-batch, a constant (not differentiated, or every
+        micro-batch's aggregate would be a constant too): normalized by the micro-batch."""
+        import verl.utils.torch_functional as verl_F
+        from verl.trainer.ppo.core_algos import kl_penalty
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        student = no_padding_2_padding(model_output["log_probs"], data)
+        teacher = no_padding_2_padding(data["teacher_logprobs"], data).squeeze(-1)
+        losses = kl_penalty(student, teacher, "k3")
+        scale = verl_F.masked_mean(losses, data["response_mask"].to_padded_tensor(0).bool()).detach()
+        return losses / scale, {}
+
+    register_distillation_loss(DistillationLossSettings(names=DISTILL_MICRO_MEAN, use_estimator=True))(over_micro_batch)
+    yield
+    DISTILLATION_LOSS_REGISTRY.pop(DISTILL_MICRO_MEAN)
+    DISTILLATION_SETTINGS_REGISTRY.pop(DISTILL_MICRO_MEAN)
+
+
+def test_distillation_losses_are_probed(user_distillation_loss):
+    """On-policy distillation's loss is the actor's: verl's pass; one a user registers that normalizes by its
+    micro-batch is refused, naming the distillation loss and offering verl's that pass."""
+    distillation = ["distillation.enabled=True", "distillation.distillation_loss.loss_mode"]
+    (verdict,) = check_losses(compose([*BASE, f"{distillation[0]}", f"{distillation[1]}=k3"])).values()
+    assert verdict.invariant
+    message = _refusal(distillation[0], f"{distillation[1]}={DISTILL_MICRO_MEAN}")
+    assert message.startswith(f"odc: {distillation[1]}={DISTILL_MICRO_MEAN} depends on which samples share ")
+    offered = message.split(f"use a packing-invariant {distillation[1]} (")[1].split(")")[0].split(", ")
+    assert {"k3", "low_var_kl", "forward_kl_topk"} <= set(offered) and "k1" not in offered  # k1: a reward only
 
 
 # 8 samples in one optimizer step, micro-batches of 2: verl's equal shares [0-3], [4-7]; uneven ones.
