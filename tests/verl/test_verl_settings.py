@@ -46,6 +46,7 @@ class Setting:
     uneven: bool = False  # LB-Mini must have given the ranks different shares in some step
     refused: bool = False  # odc refuses the row at start, with the line its loss probe gives
     odc_run: str = "odc"  # the run compared with fsdp2 (grpo.RUNS): odc, or odc with its options
+    accumulate: str | None = None  # the accumulate method forced on the odc engines (odc_accumulate), if any
 
 
 SETTINGS = (
@@ -59,7 +60,7 @@ SETTINGS = (
     ),
     Setting(
         "2 epochs, shuffled; entropy_coeff 0.01; clip ratios 0.1 / 0.15; GSPO (policy_loss.loss_mode=gspo) with "
-        "seq-mean-token-mean; 2 mini-batches",
+        "seq-mean-token-mean; 2 mini-batches; odc's accumulate method forced to slots (odc_accumulate=slots)",
         (
             f"{ACTOR}.policy_loss.loss_mode=gspo",
             f"{ACTOR}.ppo_mini_batch_size=4",
@@ -69,11 +70,13 @@ SETTINGS = (
             f"{ACTOR}.clip_ratio_low=0.1",
             f"{ACTOR}.clip_ratio_high=0.15",
             f"{ACTOR}.loss_agg_mode=seq-mean-token-mean",
+            f"{ACTOR}.fsdp_config.odc_accumulate=slots",
         ),
+        accumulate="slots",
     ),
     Setting(
         "actor param + optimizer offload; no_sync gradient accumulation; token-sum; mse KL loss; "
-        "fixed micro-batch size 2; 2 mini-batches",
+        "fixed micro-batch size 2; 2 mini-batches; odc's accumulate method forced to direct (odc_accumulate=direct)",
         (
             *golden.FIXED_MICRO_BATCHES,
             f"{ACTOR}.ppo_mini_batch_size=4",
@@ -83,7 +86,9 @@ SETTINGS = (
             f"{ACTOR}.loss_agg_mode=token-sum",
             *golden.KL_LOSS,
             f"{ACTOR}.kl_loss_type=mse",
+            f"{ACTOR}.fsdp_config.odc_accumulate=direct",
         ),
+        accumulate="direct",
     ),
     Setting(
         "FSDP2's own CPU offload (offload_policy); CISPO (policy_loss.loss_mode=cispo) with seq-mean-token-sum; "
@@ -117,6 +122,21 @@ SETTINGS = (
         # 2 mini-batches: on the first, GMPO's loss is 0 but for rounding (whole GRPO groups, on-policy ratios)
         (f"{ACTOR}.policy_loss.loss_mode=geo_mean", *golden.FIXED_MICRO_BATCHES, f"{ACTOR}.ppo_mini_batch_size=4"),
         odc_run="odc_lb_micro",
+    ),
+    Setting(
+        "GMPO (policy_loss.loss_mode=geo_mean) under LB-Mini with a fixed micro-batch size of 1: each sample in a "
+        "micro-batch of its own, as under fsdp2, whatever rank runs it; uneven shares (rank 1 5x slow), "
+        "4 mini-batches",
+        (
+            f"{ACTOR}.policy_loss.loss_mode=geo_mean",
+            f"{ACTOR}.ppo_mini_batch_size=2",
+            *(
+                o.replace("micro_batch_size_per_gpu=2", "micro_batch_size_per_gpu=1")
+                for o in golden.FIXED_MICRO_BATCHES
+            ),
+        ),
+        golden.EXAMPLE_SLOW_RANKS,
+        uneven=True,
     ),
     Setting(
         "seq-mean-token-sum-norm without loss_scale_factor (each micro-batch's loss over its own padded length)",
@@ -184,6 +204,9 @@ def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_f
     if setting.uneven:
         uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] < m["odc_balance/samples_max"]]
         assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
+    if setting.accumulate is not None:
+        chosen = f"actor/odc/transport/accumulate_{setting.accumulate}_chosen"
+        assert all(m[chosen] == 1.0 for m in odc.values()), {s: m.get(chosen) for s, m in odc.items()}
     if setting.overrides == tuple(golden.EXAMPLE_BATCHING):
         lines = golden.compare({s: r.metrics for s, r in runs.items()}, "grpo_cpu_example")
         assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
