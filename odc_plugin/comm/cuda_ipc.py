@@ -255,24 +255,39 @@ def _pool_bytes(pool_id, size: str = "total_size") -> int:
     return sum(segment[size] for segment in torch.cuda.memory_snapshot(pool_id))
 
 
+def _expandable_segments_on(device: torch.device) -> bool:
+    """Whether the caching allocator would put a large block (as a region is) in an expandable segment now:
+    found by allocating one, 1 MiB, in a pool of its own (its 2 MiB segment goes back at empty_cache())."""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device):
+        probe = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    expandable = any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot(pool.id))
+    del probe
+    return expandable
+
+
 def _shareable_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.cuda.MemPool]:
     """`numel` zeros that CUDA IPC can share, in a private pool of their own (freeing them frees the pool's
     whole segment): in a segment cudaMalloc made, not an expandable one. torch 2.11 cannot say whether
-    expandable segments are on, and its private pools use them too; so the tensor is allocated, and if it
-    landed in an expandable segment (they were on), allocated again with them off for that one allocation."""
-    for attempt in range(2):
+    expandable segments are on, and its private pools use them too; so a 2 MiB probe finds out, and the
+    region is allocated once, with them off for that one allocation where they were on. Should the probe
+    be wrong, the region is allocated again with them off."""
+    expandable = _expandable_segments_on(device)
+    for off in (expandable, not expandable):
         pool = torch.cuda.MemPool()
-        if attempt:
+        if off:
             torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
         try:
             with torch.cuda.use_mem_pool(pool, device):
                 zeros = torch.zeros(numel, dtype=dtype, device=device)
         finally:
-            if attempt:
+            if off:
                 torch._C._accelerator_setAllocatorSettings("expandable_segments:True")  # on, as they were
         if not any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot(pool.id)):
             return zeros, pool
         del zeros
+        if off:
+            break
     raise RuntimeError(
         "cuda_ipc: torch put a region in an expandable segment with expandable_segments off; "
         "this torch version cannot share ODC's regions over CUDA IPC"

@@ -246,6 +246,7 @@ class NvshmemTransport(Transport):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._heap_size = heap_bytes_available()
         self._heap_used = HEAP_RESERVE
+        self._heap_peak = HEAP_RESERVE  # NVSHMEM keeps the heap it grew until finalize, whatever is freed
         self._bases: list[torch.Tensor] = []
         self._regions: dict[str, torch.Tensor] = {}  # name -> symmetric uint8 base tensor
         self._acc_ids: dict[str, int] = {}  # fp32 regions by the id a slot header names them with
@@ -286,6 +287,7 @@ class NvshmemTransport(Transport):
         except Exception as e:  # nvshmem4py raises NvshmemError (an Exception) when malloc fails
             raise RuntimeError(heap_too_small_message(need, self._heap_size, what) + f" [NVSHMEM: {e!r}]") from e
         self._heap_used = need
+        self._heap_peak = max(self._heap_peak, need)
         self._bases.append(base)
         base.zero_()
         return base[:nbytes]
@@ -389,6 +391,14 @@ class NvshmemTransport(Transport):
     def staging_bytes(self) -> int:
         self._check_open()
         return 0 if self._stage is None else _aligned(self._stage.numel())
+
+    def held_bytes(self, control: bool = False) -> int:
+        """The symmetric heap as far as ODC ever grew it: nvshmem_free returns blocks to NVSHMEM's heap, which
+        keeps its device memory until finalize (the process's end), so freed regions still count; less the
+        control words without `control`."""
+        self._check_open()
+        control_words = 0 if control else self.control_bytes()
+        return self._heap_peak - HEAP_RESERVE - control_words
 
     def mapped_bytes(self) -> int:
         self._check_open()

@@ -151,6 +151,20 @@ def heap_too_small(rank, world_size):
     return "no error"
 
 
+def nvshmem_held_after_free(rank, world_size):
+    """What the nvshmem transport says it holds with a 64 MiB region, and after freeing it."""
+    _use_gpu(rank)
+    _single_node_nvshmem_env()
+    t = make_transport("nvshmem")
+    try:
+        t.alloc("odc.params", 64 << 20, torch.uint8)
+        built = t.held_bytes()
+        t.free("odc.params")
+        return built, t.held_bytes()
+    finally:
+        t.close()
+
+
 def peer_atomics_check(rank, world_size, lossy_pair, method="direct"):
     """The start-up check of peer atomics over shm with accumulate `method`, every add exact, or, with
     `lossy_pair` = (sender, owner), over a shm transport whose adds from `sender` into `owner` lose the first
