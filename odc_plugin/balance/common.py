@@ -5,6 +5,12 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+# Per GPU and direction, what collectives reach on H100 nodes: NVLink 4 carries 450 GB/s each way, of
+# which NCCL reaches about 80%; one 400 Gb/s (NDR) InfiniBand NIC per GPU carries 50 GB/s, again ~80%.
+NVLINK_BW = 360e9
+
+IB_BW = 40e9
+
 # Per rank, a list of micro-batches, each a list of sample indices into the mini-batch.
 RankPlan = list[list[list[int]]]
 

@@ -37,6 +37,7 @@ def lb_mini(
     baseline: RankPlan | None = None,
     min_gain: float = MIN_GAIN,
     micro_batch_size: int | None = None,
+    rank_start: Sequence[float] | None = None,
 ) -> RankPlan:
     """Per rank, micro-batches of sample indices, in the order and packing the ODC engine runs them.
 
@@ -51,7 +52,8 @@ def lb_mini(
     What is balanced is each rank's time: its samples' cost, plus `micro_batch_cost` (in the cost's
     unit) for each micro-batch its tokens need, over its `rank_speed` (default: all 1). So a rank half
     as fast gets about half the work, and a sample is moved to a rank only if the micro-batch it may add
-    there pays for itself.
+    there pays for itself. `rank_start[r]` is time rank r is already busy before its share, in the unit
+    of the rest (cost over speed): what a split sample's group (odc_plugin.balance.split) takes first.
 
     `baseline` is another plan (LB-Micro's equal counts): it is returned as it is unless LB-Mini's own
     split is predicted at least `min_gain` faster. A cost model is never
@@ -68,6 +70,9 @@ def lb_mini(
         raise ValueError(f"rank_speed needs {dp_size} values > 0, got {rank_speed!r}")
     if not micro_batch_cost >= 0:
         raise ValueError(f"micro_batch_cost must be >= 0, got {micro_batch_cost}")
+    ready = [0.0] * dp_size if rank_start is None else [float(t) for t in rank_start]
+    if len(ready) != dp_size or not all(t >= 0 for t in ready):
+        raise ValueError(f"rank_start needs {dp_size} values >= 0, got {rank_start!r}")
     if group_ids is None:
         units = [[i] for i in range(len(lens))]
     else:
@@ -85,15 +90,15 @@ def lb_mini(
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
         sizes, capacity = [len(unit) for unit in units], micro_batch_size
-    clock = _RankClock(weights, sizes, speeds, micro_batch_cost, capacity)
+    clock = _RankClock(weights, sizes, speeds, micro_batch_cost, capacity, ready)
     # Two starts, each refined, the better kept: differencing single units is the stronger start in general,
     # differencing sorted runs of dp_size units (what verl's equal-size partition does) the stronger when
-    # there are only a few units per rank. Ranks of different speeds add a third, largest-first onto the
-    # rank that would finish it first.
-    starts = [clock.assign(_largest_differencing(weights, dp_size, chunk)) for chunk in (1, dp_size)]
-    if len(set(speeds)) > 1:
-        starts.append(clock.largest_first())
-    rank_units = min((_refine(ranks, clock) for ranks in starts), key=clock.makespan)
+    # there are only a few units per rank. Ranks of different speeds or busy from different times add a
+    # third, largest-first onto the rank that would finish it first.
+    initial = [clock.assign(_largest_differencing(weights, dp_size, chunk)) for chunk in (1, dp_size)]
+    if len(set(speeds)) > 1 or len(set(ready)) > 1:
+        initial.append(clock.largest_first())
+    rank_units = min((_refine(ranks, clock) for ranks in initial), key=clock.makespan)
     if baseline is not None:
         shares = rank_shares(baseline)
         if len(shares) != dp_size or sorted(i for rank in shares for i in rank) != list(range(len(lens))):
@@ -112,17 +117,17 @@ def lb_mini(
 
 
 class _RankClock:
-    """How long a rank takes for a set of units: their weight plus a micro-batch cost per micro-batch its
-    units need at least (their `tokens`, tokens or samples, over a micro-batch's `capacity`), over its
-    speed."""
+    """When a rank finishes a set of units: once it is ready, then their weight plus a micro-batch cost per
+    micro-batch its units need at least (their `tokens`, tokens or samples, over a micro-batch's
+    `capacity`), over its speed."""
 
-    def __init__(self, weights, tokens, speeds, micro_batch_cost, capacity):
-        self.weights, self.tokens, self.speeds = weights, tokens, speeds
+    def __init__(self, weights, tokens, speeds, micro_batch_cost, capacity, ready):
+        self.weights, self.tokens, self.speeds, self.ready = weights, tokens, speeds, ready
         self.micro_batch_cost, self.capacity = micro_batch_cost, capacity
 
     def time(self, rank: int, weight: float, tokens: int) -> float:
         micro_batches = -(-tokens // self.capacity) if tokens else 0
-        return (weight + self.micro_batch_cost * micro_batches) / self.speeds[rank]
+        return self.ready[rank] + (weight + self.micro_batch_cost * micro_batches) / self.speeds[rank]
 
     def time_of(self, rank: int, units) -> float:
         return self.time(rank, sum(self.weights[u] for u in units), sum(self.tokens[u] for u in units))
@@ -131,11 +136,12 @@ class _RankClock:
         return max(self.time_of(r, units) for r, units in enumerate(ranks))
 
     def assign(self, parts: list[list[int]]) -> list[list[int]]:
-        """Parts of a partition onto ranks: the heaviest to the fastest (as given, when speeds are equal)."""
+        """Parts of a partition onto ranks: the heaviest to the earliest free, then the fastest (as given,
+        when ready times and speeds are equal)."""
         by_weight = sorted(parts, key=lambda p: -sum(self.weights[u] for u in p))
-        by_speed = sorted(range(len(self.speeds)), key=lambda r: -self.speeds[r])
+        by_readiness = sorted(range(len(self.speeds)), key=lambda r: (self.ready[r], -self.speeds[r]))
         ranks: list[list[int]] = [[] for _ in self.speeds]
-        for rank, part in zip(by_speed, by_weight):
+        for rank, part in zip(by_readiness, by_weight):
             ranks[rank] = list(part)
         return ranks
 
@@ -261,11 +267,13 @@ def _best_exchange(
     """Units (give from hi, take from lo), at most give_size and take_size of them and give non-empty,
     after which both ranks finish before hi does now, by the largest margin found. Candidates are the take
     subsets whose weight is nearest to what would make the two ranks finish together."""
-    weights, tokens, speed = clock.weights, clock.tokens, clock.speeds
+    weights, tokens, speed, ready = clock.weights, clock.tokens, clock.speeds, clock.ready
     (w_hi, t_hi), (w_lo, t_lo) = load[hi], load[lo]
     now = clock.time(hi, w_hi, t_hi)
     # the weight d moved from hi to lo that equalizes the two, micro-batch costs left out
-    even = (w_hi * speed[lo] - w_lo * speed[hi]) / (speed[hi] + speed[lo])
+    even = (w_hi * speed[lo] - w_lo * speed[hi] + (ready[hi] - ready[lo]) * speed[hi] * speed[lo]) / (
+        speed[hi] + speed[lo]
+    )
     take_options = sorted(_subsets(lo_units, weights, take_size))
     take_sums = [w for w, _ in take_options]
     best, best_gain = None, now * 1e-12

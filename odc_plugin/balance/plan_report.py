@@ -10,6 +10,7 @@ from odc_plugin.balance.step_time import (
     CLUSTER_SCHEMES,
     SCHEMES,
     SPEEDUP_BASELINE,
+    SPLIT_SCHEME,
     ClusterModel,
     ClusterRow,
     PlanRow,
@@ -26,13 +27,19 @@ def format_table(rows: Sequence[PlanRow]) -> str:
     ]
     if any(r.sp > 1 for r in rows):  # "per rank" is then per sequence-parallel group
         columns.insert(1, ("", "sp", lambda r: f"{r.sp}"))
-    for s, name in SCHEMES.items():
+    schemes = {s: name for s, name in SCHEMES.items() if all(s in r.seconds for r in rows)}
+    for s, name in schemes.items():
         columns.append((name, "time", lambda r, s=s: f"{r.seconds[s]:.4g}"))
         columns.append((name, "idle", lambda r, s=s: f"{r.idle_fraction[s]:.1%}"))
-    for s in ("odc_lb_micro", "odc_lb_mini"):
-        columns.append((SPEEDUP_OVER, SCHEMES[s], lambda r, s=s: f"{r.speedup(s):.3f}x"))
+    for s in schemes:
+        if s != SPEEDUP_BASELINE:
+            columns.append((SPEEDUP_OVER, SCHEMES[s], lambda r, s=s: f"{r.speedup(s):.3f}x"))
     columns.append(("limit", "time", lambda r: f"{r.limit_s:.4g}"))
-    for s, name in SCHEMES.items():
+    split = SPLIT_SCHEME in schemes
+    if split:
+        columns.append(("limit", "split", lambda r: f"{r.split_limit_s:.4g}"))
+        columns.append(("limit", "work bound", lambda r: f"{r.work_bound_share:.0%}"))
+    for s, name in schemes.items():
         columns.append(("over the limit", name, lambda r, s=s: f"{r.over_limit(s):+.1%}"))
     for k, name in (("lb_micro", "LB-Micro"), ("lb_mini", "LB-Mini")):
         columns.append(("balance efficiency", name, lambda r, k=k: f"{r.efficiency[k]:.4f}"))
@@ -51,6 +58,13 @@ def format_table(rows: Sequence[PlanRow]) -> str:
         "limit: per mini-batch the larger of its work over the ranks' summed speeds and its longest sample "
         "on one rank, which no plan beats; over the limit: each scheme's time above it"
     )
+    if split:
+        legend += (
+            f"\n{SCHEMES[SPLIT_SCHEME]}: LB-Mini with its longest samples split over Ulysses groups (all-to-alls "
+            "modelled, not measured); its limit (split) is the larger of the work bound, the all-to-alls "
+            "included, and the longest sample over the largest group the heads allow; work bound: the share of "
+            "mini-batches whose split limit the work bound decided (the rest: the longest sample)"
+        )
     return "\n".join(lines + [line(row, ">") for row in cells] + [legend])
 
 
@@ -80,11 +94,12 @@ def plot(rows: Sequence[PlanRow], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_speed, ax_idle) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {"fsdp_lb_micro": ":", "odc_lb_micro": "--", "odc_lb_mini": "-"}
+    styles = {"fsdp_lb_micro": ":", "odc_lb_micro": "--", "odc_lb_mini": "-", SPLIT_SCHEME: "-."}
+    schemes = {s: name for s, name in SCHEMES.items() if all(s in r.seconds for r in rows)}
     for i, size in enumerate(sorted({r.minibatch_size for r in rows})):
         sel = [r for r in rows if r.minibatch_size == size]
         dps = [r.dp_size for r in sel]
-        for s, name in SCHEMES.items():
+        for s, name in schemes.items():
             style = {"linestyle": styles[s], "marker": "o", "color": f"C{i}", "label": f"{name}, mini-batch {size}"}
             if s != SPEEDUP_BASELINE:
                 ax_speed.plot(dps, [r.speedup(s) for r in sel], **style)

@@ -1,4 +1,5 @@
-"""Predict mini-batch time and idle under FSDP+LB-Micro, ODC+LB-Micro and ODC+LB-Mini (`odc-plan`).
+"""Predict mini-batch time and idle under FSDP+LB-Micro, ODC+LB-Micro, ODC+LB-Mini and ODC+LB-Mini+split
+(`odc-plan`).
 
 FSDP's per-layer collectives make ranks move in lockstep: every micro-batch step lasts as long as its
 slowest rank. Under ODC a rank only waits at the end of the mini-batch, so a mini-batch lasts as long
@@ -24,6 +25,12 @@ FSDP holds in lockstep and LB-Mini balances is a group of N GPUs: ranks / N grou
 samples N times as fast (heads split over the group; the all-to-all is not modelled), each packing
 micro-batches to N times the per-GPU token budget, as verl does.
 
+ODC+LB-Mini+split (odc_plugin.balance.split) is LB-Mini with a mini-batch's longest samples each split
+over a Ulysses group of k GPUs inside a node, k a power of two that --model's attention heads allow; its
+all-to-alls are modelled from --model's shapes at --intra-node-bw, not measured (the model's heads and
+shapes are Qwen2.5-7B's unless --model names another). Its limit is its own: the longest sample no longer
+bounds it whole, only over the largest group. This version predicts it; the engine does not run it yet.
+
 Across nodes (`--nodes`), it compares FSDP2's HSDP with LB-Micro (verl's `fsdp2` with `fsdp_size` = GPUs
 per node) and ODC inside each node with one all-reduce across nodes per mini-batch (`odc` with the same
 `fsdp_size`), and picks the faster; it also shows flat ODC over all ranks through NVSHMEM, which this
@@ -44,10 +51,10 @@ from dataclasses import asdict
 from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, VerlFlopsCost, get_cost_model
 from odc_plugin.balance.lengths import LengthSource, plan_lengths
 from odc_plugin.balance.plan_report import format_table, plot, print_cluster
+from odc_plugin.balance.split import UlyssesModel
 from odc_plugin.balance.step_time import (
     IB_BW,
     NVLINK_BW,
-    SCHEMES,
     SPEEDUP_BASELINE,
     ClusterModel,
     StepTimeModel,
@@ -276,7 +283,7 @@ def _print_table(args, source: LengthSource, cost: str, rows, max_token_len: int
         f"micro_batch_size={args.micro_batch_size}" if args.micro_batch_size else f"max_token_len={max_token_len}"
     )
     if args.json:
-        rows_json = [asdict(r) | {"speedup": {s: r.speedup(s) for s in SCHEMES}} for r in rows]
+        rows_json = [asdict(r) | {"speedup": {s: r.speedup(s) for s in r.seconds}} for r in rows]
         header = {"lengths": args.lengths, "lengths_from": source.what, "cost": args.cost, "cost_model": cost}
         header["speedup_baseline"] = SPEEDUP_BASELINE  # every row's "speedup" is over this scheme's time
         batch = {"max_token_len": max_token_len, "micro_batch_size": args.micro_batch_size}
@@ -336,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.sp,
                 micro_batch_size=args.micro_batch_size,
                 skipped=left_out,
+                ulysses=UlyssesModel.from_config(args.model, args.gpus_per_node, args.intra_node_bw),
             )
     except ValueError as e:
         p.error(str(e))

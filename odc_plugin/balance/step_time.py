@@ -1,5 +1,5 @@
 """The step-time model behind `odc-plan`: how long a mini-batch takes under FSDP+LB-Micro, ODC+LB-Micro
-and ODC+LB-Mini, on one node or several.
+and ODC+LB-Mini (and ODC+LB-Mini splitting its longest samples over Ulysses groups), on one node or several.
 
 FSDP's per-layer collectives make ranks move in lockstep: every micro-batch step lasts as long as its
 slowest rank. Under ODC a rank only waits at the end of the mini-batch, so a mini-batch lasts as long
@@ -15,20 +15,22 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
-from odc_plugin.balance.common import RankPlan, balance_efficiency, minibatch_limit
+from odc_plugin.balance.common import IB_BW, NVLINK_BW, RankPlan, balance_efficiency, minibatch_limit
 from odc_plugin.balance.costs import PRESETS, CostModel, FlopsCost, get_cost_model, model_config
 from odc_plugin.balance.lb_micro import lb_micro
 from odc_plugin.balance.lb_mini import lb_mini
+from odc_plugin.balance.split import Limit, Split, SplitPlan, UlyssesModel, group_finish, lb_mini_split, split_limit
 
-SCHEMES = {"fsdp_lb_micro": "FSDP+LB-Micro", "odc_lb_micro": "ODC+LB-Micro", "odc_lb_mini": "ODC+LB-Mini"}
+# Every scheme a row may hold; the split one only where plan_table was given a UlyssesModel.
+SPLIT_SCHEME = "odc_lb_mini_split"
+SCHEMES = {
+    "fsdp_lb_micro": "FSDP+LB-Micro",
+    "odc_lb_micro": "ODC+LB-Micro",
+    "odc_lb_mini": "ODC+LB-Mini",
+    SPLIT_SCHEME: "ODC+LB-Mini+split",
+}
 # The scheme every PlanRow.speedup is over: verl's own fsdp2 with its dynamic batch size.
 SPEEDUP_BASELINE = "fsdp_lb_micro"
-
-# Per GPU and direction, what collectives reach on H100 nodes: NVLink 4 carries 450 GB/s each way, of
-# which NCCL reaches about 80%; one 400 Gb/s (NDR) InfiniBand NIC per GPU carries 50 GB/s, again ~80%.
-NVLINK_BW = 360e9
-
-IB_BW = 40e9
 
 # A report says so when a measured time is further than this from the planner's (relative): beyond it, what
 # the rehearsal itself costs (or something the planner does not model) is a visible part of the step.
@@ -107,24 +109,56 @@ def simulate_minibatch(
     model: StepTimeModel = StepTimeModel(),
     comm_s: float | None = None,
     slowdown: Sequence[float] | None = None,
+    start: Sequence[float] | None = None,
 ) -> MiniBatchTime:
     """Time of one mini-batch run as `plan` (per rank, micro-batches of sample indices into costs);
     `comm_s`, when given, is each micro-batch's communication instead of the model's; `slowdown[r]`
-    multiplies rank r's compute (a slower GPU). Idle is measured against each rank's own busy time."""
+    multiplies rank r's compute (a slower GPU); under ODC rank r begins at `start[r]` seconds (default 0).
+    Idle is measured against each rank's own busy time."""
     comm = model.comm_seconds(len(plan)) if comm_s is None else comm_s
     slowdown = [1.0] * len(plan) if slowdown is None else list(slowdown)
     if len(slowdown) != len(plan):
         raise ValueError(f"slowdown has {len(slowdown)} entries for {len(plan)} ranks")
     compute = [[sum(costs[i] for i in mb) * f / model.throughput for mb in rank] for rank, f in zip(plan, slowdown)]
     if lockstep:
+        if start is not None:
+            raise ValueError("lockstep ranks start together; start is for ODC's ranks")
         counts = sorted({len(rank) for rank in compute})
         if len(counts) > 1:
             raise ValueError(f"lockstep ranks need equal micro-batch counts, got counts {counts}")
         seconds = sum(max(*step, comm) for step in zip(*compute))
     else:
-        seconds = max(sum(max(c, comm) for c in rank) for rank in compute)
+        start = [0.0] * len(plan) if start is None else start
+        seconds = max(t + sum(max(c, comm) for c in rank) for t, rank in zip(start, compute))
     busy = sum(map(sum, compute))
     return MiniBatchTime(seconds, 1 - busy / (len(plan) * seconds) if seconds else 0.0)
+
+
+def simulate_split(
+    plan: SplitPlan,
+    costs: Sequence[float],
+    seqlens: Sequence[int],
+    ulysses: UlyssesModel,
+    *,
+    model: StepTimeModel = StepTimeModel(),
+    slowdown: Sequence[float] | None = None,
+) -> MiniBatchTime:
+    """Time of one mini-batch run as a split plan under ODC: each split sample from when every member of its
+    group is free, for its compute over k on the group's slowest member (or the parameter communication,
+    which it overlaps) plus its all-to-alls, which nothing overlaps; then each rank's other micro-batches as
+    simulate_minibatch runs them, without lockstep. A split's compute counts as busy on every member."""
+    dp = len(plan.ranks)
+    slowdown = [1.0] * dp if slowdown is None else list(slowdown)
+    comm = model.comm_seconds(dp)
+
+    def compute(s: Split) -> float:
+        return costs[s.sample] / s.k * max(slowdown[r] for r in s.group) / model.throughput
+
+    ready = group_finish(plan.splits, dp, lambda s: max(compute(s), comm) + ulysses.seconds(seqlens[s.sample], s.k))
+    rest = simulate_minibatch(plan.ranks, costs, lockstep=False, model=model, slowdown=slowdown, start=ready)
+    split_busy = sum(costs[s.sample] / s.k * slowdown[r] / model.throughput for s in plan.splits for r in s.group)
+    busy = (1 - rest.idle_fraction) * dp * rest.seconds + split_busy
+    return MiniBatchTime(rest.seconds, 1 - busy / (dp * rest.seconds) if rest.seconds else 0.0)
 
 
 @dataclass(frozen=True)
@@ -132,6 +166,7 @@ class Comparison:
     times: dict[str, MiniBatchTime]  # per scheme
     efficiency: dict[str, float]  # balance_efficiency of the LB-Micro and LB-Mini rank totals, by the same cost
     limit_s: float  # minibatch_limit: no scheme can be faster
+    split_limit: Limit | None = None  # split.split_limit: no scheme, splitting samples or not, can be faster
 
 
 def compare_schemes(
@@ -141,21 +176,39 @@ def compare_schemes(
     cost: str | CostModel = "tokens",
     model: StepTimeModel = StepTimeModel(),
     micro_batch_size: int | None = None,
+    ulysses: UlyssesModel | None = None,
 ) -> Comparison:
     """Plan one mini-batch with LB-Micro and LB-Mini and time it under the three schemes (with
-    `micro_batch_size`, verl's fixed micro-batch size, instead of dynamic batch size)."""
+    `micro_batch_size`, verl's fixed micro-batch size, instead of dynamic batch size); with `ulysses`, also
+    LB-Mini splitting its longest samples over Ulysses groups (split.lb_mini_split), and that scheme's limit."""
     cost = get_cost_model(cost)
     costs = cost.costs(seqlens)
     micro = lb_micro(seqlens, dp_size, max_token_len, micro_batch_size)
     mini = lb_mini(seqlens, dp_size, max_token_len, cost=cost, baseline=micro, micro_batch_size=micro_batch_size)
+    times = {
+        "fsdp_lb_micro": simulate_minibatch(micro, costs, lockstep=True, model=model),
+        "odc_lb_micro": simulate_minibatch(micro, costs, lockstep=False, model=model),
+        "odc_lb_mini": simulate_minibatch(mini, costs, lockstep=False, model=model),
+    }
+    limit = None
+    if ulysses is not None:
+        split = lb_mini_split(
+            seqlens,
+            dp_size,
+            max_token_len,
+            cost,
+            ulysses=ulysses,
+            throughput=model.throughput,
+            micro_batch_size=micro_batch_size,
+            baseline=mini,
+        )
+        times[SPLIT_SCHEME] = simulate_split(split, costs, seqlens, ulysses, model=model)
+        limit = split_limit(costs, seqlens, [1.0] * dp_size, ulysses, model.throughput)
     return Comparison(
-        times={
-            "fsdp_lb_micro": simulate_minibatch(micro, costs, lockstep=True, model=model),
-            "odc_lb_micro": simulate_minibatch(micro, costs, lockstep=False, model=model),
-            "odc_lb_mini": simulate_minibatch(mini, costs, lockstep=False, model=model),
-        },
+        times=times,
         efficiency={"lb_micro": balance_efficiency(micro, costs), "lb_mini": balance_efficiency(mini, costs)},
         limit_s=minibatch_limit(costs, [1.0] * dp_size, model.throughput),
+        split_limit=limit,
     )
 
 
@@ -185,13 +238,16 @@ class PlanRow:
     efficiency: dict[str, float]
     limit_s: float  # minibatch_limit, the mean over the draws
     sp: int = 1
+    # With the split scheme: split_limit's mean over the draws, and the share of draws its work bound decided.
+    split_limit_s: float | None = None
+    work_bound_share: float | None = None
 
     def speedup(self, scheme: str) -> float:
         return self.seconds[SPEEDUP_BASELINE] / self.seconds[scheme]
 
     def over_limit(self, scheme: str) -> float:
-        """How far the scheme's time is above the limit (0: at it)."""
-        return self.seconds[scheme] / self.limit_s - 1
+        """How far the scheme's time is above its limit (0: at it): the split scheme's is split_limit_s."""
+        return self.seconds[scheme] / (self.split_limit_s if scheme == SPLIT_SCHEME else self.limit_s) - 1
 
 
 def plan_table(
@@ -206,10 +262,13 @@ def plan_table(
     sp_sizes: Sequence[int] = (1,),
     micro_batch_size: int | None = None,
     skipped: list[str] | None = None,
+    ulysses: UlyssesModel | None = None,
 ) -> list[PlanRow]:
     """One row per (ranks, sequence-parallel size, mini-batch size) that divides evenly, as verl requires;
     `ranks` are GPUs; `draw(n, seed)` gives the lengths of one mini-batch of n samples. Every row sees the
-    same draws. Each configuration left out, with why, is appended to `skipped` when given."""
+    same draws. Each configuration left out, with why, is appended to `skipped` when given. With `ulysses`
+    rows also hold the split scheme; under --sp groups of sp GPUs split over k groups, so max_group / sp of
+    them (the all-to-alls between groups are modelled as between single GPUs)."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
     rows = []
@@ -220,23 +279,30 @@ def plan_table(
                 _skip(skipped, f"{name} ({gpus} GPUs do not divide into Ulysses groups of {sp})")
                 continue
             dp, group_model = gpus // sp, replace(model, throughput=model.throughput * sp)
+            groups = None if ulysses is None else replace(ulysses, max_group=max(1, ulysses.max_group // sp))
             for size in minibatch_sizes:
                 if why := unrunnable(size, dp, micro_batch_size):
                     _skip(skipped, f"{name} mini-batch={size} ({why})")
                     continue
                 runs = [
-                    compare_schemes(draw(size, seed + d), dp, max_token_len * sp, cost, group_model, micro_batch_size)
+                    compare_schemes(
+                        draw(size, seed + d), dp, max_token_len * sp, cost, group_model, micro_batch_size, groups
+                    )
                     for d in range(draws)
                 ]
+                schemes = runs[0].times
+                limits = [r.split_limit for r in runs if r.split_limit is not None]
                 rows.append(
                     PlanRow(
                         dp,
                         size,
-                        seconds={s: statistics.fmean(r.times[s].seconds for r in runs) for s in SCHEMES},
-                        idle_fraction={s: statistics.fmean(r.times[s].idle_fraction for r in runs) for s in SCHEMES},
+                        seconds={s: statistics.fmean(r.times[s].seconds for r in runs) for s in schemes},
+                        idle_fraction={s: statistics.fmean(r.times[s].idle_fraction for r in runs) for s in schemes},
                         efficiency={k: statistics.fmean(r.efficiency[k] for r in runs) for k in runs[0].efficiency},
                         limit_s=statistics.fmean(r.limit_s for r in runs),
                         sp=sp,
+                        split_limit_s=statistics.fmean(lim.seconds for lim in limits) if limits else None,
+                        work_bound_share=statistics.fmean(lim.bound == "work" for lim in limits) if limits else None,
                     )
                 )
     return rows
