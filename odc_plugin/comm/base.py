@@ -62,7 +62,10 @@ class ODCPeerFailedError(ODCError):
 # failures), then up to 8 * 62 bytes of its message. Each rank has two, used by alternate rounds: a rank
 # already in the next round may post while a slower peer still reads the notices of the last one.
 NOTICE_WORDS = 64
-_HEADER_WORDS = 2
+# A notice's header: the round it belongs to (+1), when it was posted, the last barrier its rank passed
+# (written by every rank on its way to the recovery meeting, whether it posted the notice or not).
+_HEADER_WORDS = 3
+_PASSED_WORD = 2
 # Barrier epochs: round r's barriers are (r << ROUND_SHIFT) + 1, + 2, ...; its recovery meeting is
 # (r + 1) << ROUND_SHIFT, the base of the next round.
 ROUND_SHIFT = 32
@@ -142,6 +145,7 @@ class Transport(abc.ABC):
         self._notices: Region | None = None  # every transport sets them up (_alloc_failure_notices)
         self._round = 0  # failed rounds recovered from: the same on every rank between recoveries
         self._epoch = 0  # the last barrier's
+        self._passed_epoch = 0  # the last barrier this rank passed
         self._recovering = False
         self._setting_up: str | None = None  # the region whose set-up meeting runs
         self._setup_meetings = 0  # set-up meetings in this round, which errors do not number as barriers
@@ -362,19 +366,36 @@ class Transport(abc.ABC):
         """Wait until every rank arrives, with every earlier accumulate visible to its owner.
 
         Raises ODCTimeoutError naming the missing ranks after `timeout_s` seconds, and ODCPeerFailedError
-        as soon as a peer announces a failure. Implementations meet at epoch `self._next_epoch()` and count
-        a peer as there when `arrived(its word, epoch)`.
+        as soon as a peer announces a failure. Implementations meet at epoch `self._next_epoch()`, count a
+        peer as there when `peer_arrived(peer, its word, epoch)`, and call `_passed` once they pass.
         """
 
     def _next_epoch(self) -> int:
         self._epoch += 1
         return self._epoch
 
+    def _passed(self, epoch: int) -> None:
+        """This rank passed barrier `epoch`: a failure it announces later in the round says so."""
+        self._passed_epoch = epoch
+
     @staticmethod
     def arrived(word: int, epoch: int) -> bool:
         """Whether a peer whose arrival word reads `word` has reached barrier `epoch`: at or past it within
-        the same round. A peer that left the round for its recovery meeting has not, whatever the number."""
+        the same round. A peer that left the round for its recovery meeting has not, by this word alone."""
         return epoch <= word < ((epoch >> ROUND_SHIFT) + 1) << ROUND_SHIFT
+
+    def peer_arrived(self, peer: int, word: int, epoch: int) -> bool:
+        """`arrived`, and for a peer whose word shows it left for its recovery meeting, whether it had passed
+        barrier `epoch` first (its notice slot says which barrier it last passed, written by every rank
+        before it meets to recover): a peer may pass a barrier and fail its next step before this rank sees
+        the barrier end, which its recovery word alone would hide."""
+        if self.arrived(word, epoch):
+            return True
+        if word < ((epoch >> ROUND_SHIFT) + 1) << ROUND_SHIFT:
+            return False
+        passed = torch.empty(1, dtype=torch.int64, device=self._notices.local.device)
+        self.get(self._notices, peer, (self._round % 2) * NOTICE_WORDS + _PASSED_WORD, passed)
+        return self.arrived(int(passed.item()), epoch)  # an earlier round's is below every epoch of this one
 
     @staticmethod
     def barrier_name(epoch: int) -> str:
@@ -427,6 +448,7 @@ class Transport(abc.ABC):
                 f"rank(s) {last} did not arrive"
             ),
         )
+        self._passed(epoch)
 
     def wait_until(self, waiting_on: Callable[[], int | None], timeout_s: float, error: Callable[[], str]) -> None:
         """Return once `waiting_on()` is None; until then it names a peer whose flag this rank still waits
@@ -436,14 +458,27 @@ class Transport(abc.ABC):
         self._check_wait(timeout_s)
 
         def ready() -> bool:
-            self._raise_unless_recovering()
-            return waiting_on() is None
+            failed = self._peer_failure()
+            # A peer may pass this wait and fail its next step before this rank sees the wait end: a failure
+            # read before the wait was found over, with the wait still on, is one of this step.
+            if waiting_on() is None:
+                return True
+            if failed is not None:
+                raise failed
+            return False
 
         poll(ready, timeout_s, error)
 
-    def _raise_unless_recovering(self) -> None:
-        if not self._recovering:
+    def _peer_failure(self) -> ODCPeerFailedError | None:
+        """What `raise_if_a_peer_failed` would raise now, outside a recovery (whose very point is that peers
+        failed)."""
+        if self._recovering:
+            return None
+        try:
             self.raise_if_a_peer_failed()
+        except ODCPeerFailedError as e:
+            return e
+        return None
 
     def announce_failure(self, message: str) -> None:
         """Announce that this rank's part of the current round failed with `message`: every peer waiting,
@@ -454,6 +489,7 @@ class Transport(abc.ABC):
         text = message.encode("utf-8", errors="replace")[:room].ljust(room, b"\0")
         local = self._notices.local
         local[slot + 1] = time.time_ns()
+        local[slot + _PASSED_WORD] = self._passed_epoch
         local[slot + _HEADER_WORDS : slot + NOTICE_WORDS] = torch.frombuffer(bytearray(text), dtype=torch.int64).to(
             local.device
         )
@@ -491,6 +527,8 @@ class Transport(abc.ABC):
         (each failing rank posted its own before it came here). Raises ODCTimeoutError naming the ranks
         that did not come within `timeout_s`."""
         self._check_wait(timeout_s)
+        # Before the recovery word hides it (peer_arrived); the meeting's arrival orders it before that word.
+        self._notices.local[(self._round % 2) * NOTICE_WORDS + _PASSED_WORD] = self._passed_epoch
         self._epoch = ((self._round + 1) << ROUND_SHIFT) - 1
         self._recovering = True
         try:

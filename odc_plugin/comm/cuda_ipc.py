@@ -228,7 +228,7 @@ class CudaIpcTransport(Transport):
             with torch.cuda.stream(self._barrier_stream):
                 self._arrivals_host.copy_(self._arrivals.local, non_blocking=True)
             self._barrier_stream.synchronize()
-            return [r for r in range(self.world_size) if not self.arrived(int(self._arrivals_host[r]), epoch)]
+            return [r for r in range(self.world_size) if not self.peer_arrived(r, int(self._arrivals_host[r]), epoch)]
 
         # Once none is missing, every peer's adds into this rank's memory completed before its flag was
         # released, and kernels launched from here on start after this host observation: they read final sums.

@@ -558,7 +558,7 @@ class NvshmemTransport(Transport):
 
         def missing() -> list[int]:
             snap = self._progress()
-            return [r for r in range(W) if not self.arrived(snap[self._ARRIVE + r], epoch)]
+            return [r for r in range(W) if not self.peer_arrived(r, snap[self._ARRIVE + r], epoch)]
 
         self.wait_for_arrivals(missing, epoch, timeout_s)
         with torch.cuda.stream(aux):

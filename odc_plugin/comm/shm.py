@@ -260,9 +260,11 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout_s
         bells = self._peer_tensors["odc.doorbell"]
         while True:
-            self._raise_unless_recovering()
+            failed = self._peer_failure()  # read before the wait is checked, as in Transport.wait_until
             if (peer := waiting_on()) is None:
                 return
+            if failed is not None:
+                raise failed
             # Read the doorbell before checking again: a flag raised after that check also rings after
             # the read, so the sleep below returns at once instead of missing it.
             rung = int(bells[peer][0])
@@ -294,7 +296,7 @@ class ShmTransport(Transport):
         self._ring()
 
         def missing() -> list[int]:
-            return [r for r, word in enumerate(words) if int(word) >= 0 and not self.arrived(int(word), epoch)]
+            return [r for r, word in enumerate(words) if int(word) >= 0 and not self.peer_arrived(r, int(word), epoch)]
 
         ended = f"timed out after {timeout_s:g}s"
         try:
@@ -316,6 +318,7 @@ class ShmTransport(Transport):
                 f"rank {self.rank}: {self._meeting_name(epoch)} failed: rank(s) {gave_up} timed out "
                 f"waiting at it and gave up before every rank arrived"
             )
+        self._passed(epoch)
 
     def close(self) -> None:
         self._closed = True

@@ -182,6 +182,9 @@ def test_ulysses_group_killed_mid_minibatch_fails_every_rank_naming_it(model_dir
     message = str(info.value)
     for rank in (2, 3):
         assert re.search(rf"rank {rank}( failed)?: exited with code 17", message), message
+    # a survivor ends its wait when it sees a killed rank's process gone, or at its timeout if it looked first;
+    # the engine's start-up calibration meets at barriers too, so the number is not the first mini-batch's
+    ended = r"(timed out after 10s|failed \(rank [23]'s process \(pid \d+\) has exited\))"
     for rank in (0, 1):
-        assert f"rank {rank}: ODC barrier #1 timed out after 10s; rank(s) [2, 3] did not arrive" in message, message
+        assert re.search(rf"rank {rank}: ODC barrier #\d+ {ended}; rank\(s\) \[2, 3\] did not arrive", message), message
     assert time.monotonic() - start < 240
