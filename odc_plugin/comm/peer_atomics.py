@@ -108,11 +108,16 @@ def native_atomics(device: int, peer_devices: Sequence[int | None]) -> list[bool
 
 
 def probe_error(
-    mismatches: Sequence[Mismatch], gpus: Sequence[str], native: Sequence[Sequence[bool | None]], method: str = "direct"
+    mismatches: Sequence[Mismatch],
+    gpus: Sequence[str],
+    native: Sequence[Sequence[bool | None]],
+    method: str = "direct",
+    transport: str = "cuda_ipc",
 ) -> str | None:
     """The one-line error every rank raises at start, or None. `mismatches` from every rank, `gpus[r]`
     the GPU of rank r (its UUID), `native[r][p]` what CUDA told rank r of atomics into rank p's GPU,
-    `method` the accumulate method checked ("direct": peer atomics, "slots": plain adds, no atomics)."""
+    `method` the accumulate method checked ("direct": peer atomics, "slots": plain adds, no atomics),
+    `transport` the name the error starts with."""
     if method == "slots":
         checked = "peer adds (odc_accumulate=slots)"
         advice = (
@@ -128,7 +133,7 @@ def probe_error(
             for owner, answer in enumerate(answers):
                 if answer is False:
                     return (
-                        f"cuda_ipc: CUDA reports no native atomics from rank {sender}'s GPU {gpus[sender]} to rank "
+                        f"{transport}: CUDA reports no native atomics from rank {sender}'s GPU {gpus[sender]} to rank "
                         f"{owner}'s GPU {gpus[owner]}: {advice}"
                     )
     if not mismatches:
@@ -141,7 +146,7 @@ def probe_error(
     else:
         what = f"adds from rank {first.sender}'s GPU {gpus[first.sender]} into {into}"
     return (
-        f"cuda_ipc: the start-up check of {checked} failed: {what} gave {first.got:g} where {first.expected:g} "
+        f"{transport}: the start-up check of {checked} failed: {what} gave {first.got:g} where {first.expected:g} "
         f"was added (element {first.index}; {len(mismatches)} range(s) wrong): {advice}"
     )
 
@@ -161,7 +166,8 @@ def check(transport: Transport, gpus: Sequence[str], peer_devices: Sequence[int 
         if not isinstance(e, ODCPeerFailedError):
             transport.announce_failure(f"{type(e).__name__}: {e}")
             failure = (
-                f"cuda_ipc: rank {transport.rank}: the start-up check of peer atomics raised {type(e).__name__}: {e}"
+                f"{transport.name}: rank {transport.rank}: the start-up check of peer atomics raised "
+                f"{type(e).__name__}: {e}"
             )
     device = peer_devices[transport.rank]
     report = (failure, mismatches, native_atomics(device, peer_devices) if device is not None else [])
@@ -171,7 +177,11 @@ def check(transport: Transport, gpus: Sequence[str], peer_devices: Sequence[int 
     if failed:
         raise RuntimeError(failed.splitlines()[0])
     error = probe_error(
-        [m for _, ms, _ in reports for m in ms], gpus, [n for _, _, n in reports], transport.accumulate_method
+        [m for _, ms, _ in reports for m in ms],
+        gpus,
+        [n for _, _, n in reports],
+        transport.accumulate_method,
+        transport.name,
     )
     if error:
         raise PeerAddsError(error)

@@ -44,7 +44,7 @@ def test_the_check_over_three_shm_ranks_passes_with_exact_adds_and_fails_every_r
     errors = run_ranks(transport_workers.peer_atomics_check, 3, (1, 2))
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith(
-        "cuda_ipc: the start-up check of peer atomics failed: adds from rank 1's GPU GPU-1 into rank 2's GPU GPU-2 "
+        "shm: the start-up check of peer atomics failed: adds from rank 1's GPU GPU-1 into rank 2's GPU GPU-2 "
         "gave 0 where 8 was added (element 0; 2 range(s) wrong)"
     ), errors[0]
 
@@ -65,6 +65,6 @@ def test_the_check_of_slots_over_three_shm_ranks_passes_and_fails_every_rank_ali
     errors = run_ranks(transport_workers.peer_atomics_check, 3, (1, 2), "slots")
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith(
-        "cuda_ipc: the start-up check of peer adds (odc_accumulate=slots) failed: adds from rank 1's GPU GPU-1 into "
+        "shm: the start-up check of peer adds (odc_accumulate=slots) failed: adds from rank 1's GPU GPU-1 into "
         "rank 2's GPU GPU-2 gave 0 where 8 was added (element 0; 2 range(s) wrong)"
     ), errors[0]
