@@ -71,6 +71,10 @@ CONFIGS = {
 EXACT = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
 CLOSE = ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
 RTOL = 1e-3
+# The KL loss is a mean of differences of nearly equal log-probs, so the CPU's kernels move it more: built on
+# an Intel Xeon, the example batching's step-1 KL loss came out 0.11% lower on an AMD EPYC (every other
+# metric within 1e-4); a learning rate 1% higher still moves it by 2-6%.
+RTOL_BY_KEY = {"actor/kl_loss": 5e-3}
 LIBRARIES = ("torch", "transformers", "tokenizers", "verl")
 
 
@@ -95,7 +99,11 @@ def differences(got: dict, want: dict, rtol: float = RTOL) -> list[str]:
                     lines.append(
                         f"{strategy} step {step} {key}: {a.get(key, 'missing')} vs golden {b.get(key, 'missing')}"
                     )
-                elif key in EXACT and a[key] != b[key] or not math.isclose(a[key], b[key], rel_tol=rtol):
+                elif (
+                    key in EXACT
+                    and a[key] != b[key]
+                    or not math.isclose(a[key], b[key], rel_tol=max(rtol, RTOL_BY_KEY.get(key, 0.0)))
+                ):
                     lines.append(
                         f"{strategy} step {step} {key}: {a[key]!r} vs golden {b[key]!r} "
                         f"(rel {abs(a[key] - b[key]) / max(abs(b[key]), 1e-30):.2g})"

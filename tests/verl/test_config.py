@@ -380,4 +380,4 @@ def test_odc_configs_are_keyword_only_with_a_docstring_per_field(config_class):
             assert isinstance(after, ast.Expr) and isinstance(after.value.value, str), f"{node.target.id}: no docstring"
     literals = [n for n, hint in cls.__annotations__.items() if typing.get_origin(hint) is typing.Literal]
     if cls is ODCEngineConfig:
-        assert literals == ["strategy", "odc_transport", "odc_balancer", "odc_cost_model"]
+        assert literals == ["strategy", "odc_transport", "odc_accumulate", "odc_balancer", "odc_cost_model"]
