@@ -173,7 +173,8 @@ def _train(device, world_size, seqs, share, steps, transport=None) -> dict[str, 
 
 def ulp(t: torch.Tensor) -> torch.Tensor:
     """Each element's unit in the last place: the gap to the next representable value away from zero."""
-    return (torch.nextafter(t, torch.full_like(t, math.inf) * t.sign().where(t != 0, 1.0)) - t).abs()
+    magnitude = t.abs()
+    return torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude
 
 
 def _correctness(transport, device, world_size, options) -> dict:

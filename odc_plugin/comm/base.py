@@ -470,15 +470,17 @@ class Transport(abc.ABC):
         poll(ready, timeout_s, error)
 
     def _peer_failure(self) -> ODCPeerFailedError | None:
-        """What `raise_if_a_peer_failed` would raise now, outside a recovery (whose very point is that peers
-        failed)."""
-        if self._recovering:
+        """What a wait raises for a peer's announced failure in the current round, or None; None in a
+        recovery too, whose very point is that peers failed."""
+        return None if self._recovering else self.peer_failure()
+
+    def peer_failure(self) -> ODCPeerFailedError | None:
+        """The error a peer's announced failure in the current round makes this rank raise, or None."""
+        theirs = [n for n in self.failures() if n.rank != self.rank]
+        if not theirs:
             return None
-        try:
-            self.raise_if_a_peer_failed()
-        except ODCPeerFailedError as e:
-            return e
-        return None
+        first = first_failure(theirs)
+        return ODCPeerFailedError(f"rank {self.rank}: rank {first.rank} failed in its mini-batch: {first.message}")
 
     def announce_failure(self, message: str) -> None:
         """Announce that this rank's part of the current round failed with `message`: every peer waiting,
@@ -489,7 +491,6 @@ class Transport(abc.ABC):
         text = message.encode("utf-8", errors="replace")[:room].ljust(room, b"\0")
         local = self._notices.local
         local[slot + 1] = time.time_ns()
-        local[slot + _PASSED_WORD] = self._passed_epoch
         local[slot + _HEADER_WORDS : slot + NOTICE_WORDS] = torch.frombuffer(bytearray(text), dtype=torch.int64).to(
             local.device
         )
@@ -516,10 +517,8 @@ class Transport(abc.ABC):
 
     def raise_if_a_peer_failed(self) -> None:
         """Raise ODCPeerFailedError if a peer announced a failure in the current round."""
-        theirs = [n for n in self.failures() if n.rank != self.rank]
-        if theirs:
-            first = first_failure(theirs)
-            raise ODCPeerFailedError(f"rank {self.rank}: rank {first.rank} failed in its mini-batch: {first.message}")
+        if (failure := self.peer_failure()) is not None:
+            raise failure
 
     def recover(self, timeout_s: float) -> list[FailureNotice]:
         """Collective, after a failure was announced: meet every rank, none of which issues anything of the
