@@ -35,6 +35,10 @@ from .comm.shm import remove_files_of
 _PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.models.qwen2.modeling_qwen2"]
 
 
+# Failures the launcher sees this close together count as one moment (see run_ranks' failure order).
+_SAME_MOMENT_S = 1.0
+
+
 class RankFailed(RuntimeError):
     """A rank raised or died; the message carries its traceback or exit code."""
 
@@ -215,10 +219,16 @@ def run_ranks(
                         # timeout, say) so their errors are reported too.
                         deadline = min(deadline, now + failure_grace_s)
         finally:
-            # Ranks seen to fail at the same moment: one that died without writing its error (a signal, an
-            # exit) is the likelier cause of the others' failures, which they had time to write.
+            # Ranks seen to fail at about the same moment: one that died without writing its error (a signal,
+            # an exit) is the likelier cause of the others' failures, which they had time to write. Peers see
+            # a dead rank's process before its exit status reaches the launcher (through the fork server), so
+            # a survivor's exit can be seen first.
+            earliest = min(failed_at.values(), default=0.0)
+
             def failure_order(r: int) -> tuple:
-                return failed_at.get(r, float("inf")), r in killed, os.path.exists(_result_path(out_dir, r)), r
+                at = failed_at.get(r, float("inf"))
+                moment = earliest if at - earliest <= _SAME_MOMENT_S else at
+                return moment, r in killed, os.path.exists(_result_path(out_dir, r)), at, r
 
             first = min(failed_at, key=failure_order, default=None)
             for r, p in enumerate(procs):
