@@ -13,7 +13,8 @@ proportion to it, which no lockstep trainer can use, since there the slowest ran
 
 The fit minimizes relative error (a 32k-token micro-batch takes a hundred times a short one's time),
 keeps a, b, c >= 0, and drops timings far off the fit (a preempted rank, a page fault storm) before it
-settles. Pure numpy: no process group, no transport.
+settles. Its error, which LB-Mini's predicted gain must exceed, is how far off its predictions of the
+ranks' balance have been, not of their times. Pure numpy: no process group, no transport.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class MicroBatchTime:
 @dataclass(frozen=True)
 class TimeFit(CostModel):
     """Seconds of a micro-batch: (c + sum a*s^2 + b*s) / speeds[rank]; `timings` it was fitted on; `error`,
-    how far off its predictions of a mini-batch's slowest rank have recently been (relative, median). As
+    how far off its predictions of a mini-batch's balance (its slowest rank over the ranks' mean) have
+    recently been (relative, median). As
     a cost model, a sequence's seconds on a rank of speed 1."""
 
     a: float
@@ -158,6 +160,11 @@ def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+def _imbalance(rank_seconds: Sequence[float]) -> float:
+    """The slowest rank's time over the ranks' mean."""
+    return max(rank_seconds) * len(rank_seconds) / sum(rank_seconds)
+
+
 class OnlineTimeFit:
     """Micro-batch timings of every rank over a sliding window, and their latest fit."""
 
@@ -172,15 +179,17 @@ class OnlineTimeFit:
         self.fit: TimeFit | None = None
 
     def add(self, timings: Iterable[MicroBatchTime]) -> TimeFit | None:
-        """Take one mini-batch's timings (of all ranks): check the current fit's prediction of its slowest
-        rank against them, then refit."""
+        """Take one mini-batch's timings (of all ranks): check the current fit's prediction of how much its
+        slowest rank exceeds the ranks' mean against them, then refit. LB-Mini weighs two plans under one
+        fit, so a machine uniformly slower than when fitted (a neighbour's job) changes no decision: what
+        the error follows is a wrong balance between ranks."""
         timings = list(timings)
-        if self.fit is not None and timings:
+        if self.fit is not None and sum(t.seconds for t in timings) > 0:
             measured, predicted = [0.0] * self.num_ranks, [0.0] * self.num_ranks
             for t in timings:
                 measured[t.rank] += t.seconds
                 predicted[t.rank] += self.fit.micro_batch_seconds(t.lengths, t.rank)
-            self.errors.append(abs(max(predicted) / max(measured) - 1))
+            self.errors.append(abs(_imbalance(predicted) / _imbalance(measured) - 1))
         self.timings.extend(timings)
         fit = fit_micro_batch_times(list(self.timings), self.num_ranks)
         if fit is not None:
