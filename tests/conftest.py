@@ -12,7 +12,8 @@ import pytest
 # With two workers taking a file each (pyproject's addopts), the longest files, verl's real trainer
 # runs (~11 min at 2 ranks, ~9 min for verl's settings, ~4 min at 8 emulated ones, ~4.5 min for stock
 # verl with and without the plugin), must start first: started last, any one alone would set the suite's
-# wall time.
+# wall time. (xdist orders files by their test count unless --no-loadscope-reorder, which addopts gives:
+# that put these files, of few tests each, last.)
 LONGEST_FIRST = (
     "tests/verl/test_main_ppo.py",
     "tests/verl/test_verl_settings.py",
