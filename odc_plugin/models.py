@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .balance.costs import QWEN2_5_PRESETS
+from .fsdp.ulysses import Split, sequence_parallel_attention
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ def _register_packed_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(_PACKED_ATTENTION, packed_causal_attention)
+    # inside a split micro-batch (odc_plugin.fsdp.ulysses) it attends over the whole sample from a slice
+    AttentionInterface.register(_PACKED_ATTENTION, sequence_parallel_attention(packed_causal_attention))
     # The attention builds its own per-sequence causal structure: no mask needed.
     AttentionMaskInterface.register(_PACKED_ATTENTION, lambda *args, **kwargs: None)
 
@@ -191,3 +193,14 @@ def token_mean_loss(model: nn.Module, seqs: list[torch.Tensor], global_tokens: i
     tokens, divided by the token count of the whole mini-batch (all ranks) and multiplied by the
     data-parallel size, which FSDP's mean over ranks divides out again."""
     return -torch.cat(next_token_logprobs(model, seqs)).sum() / global_tokens * world_size
+
+
+def split_sample_loss(model: nn.Module, seq: torch.Tensor, global_tokens: int, world_size: int, split: Split):
+    """token_mean_loss of one sample split over a block of ranks (odc_plugin.fsdp.ulysses), on this member:
+    the next-token loss of its slice of the tokens; the members' losses sum to the sample's."""
+    start, stop = split.bounds(len(seq))
+    padded = torch.nn.functional.pad(seq, (0, stop + 1 - len(seq)))
+    positions = torch.arange(start, stop, device=seq.device)
+    logits = model(input_ids=padded[None, start:stop], position_ids=positions[None]).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, padded[start + 1 : stop + 1, None]).squeeze(-1)
+    return -logp[positions < len(seq) - 1].sum() / global_tokens * world_size

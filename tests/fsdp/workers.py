@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from odc_plugin.comm import make_transport
 from odc_plugin.fsdp import ODCConfig, apply_odc
-from odc_plugin.models import build_qwen2, build_qwen3_moe, shard_qwen2, token_mean_loss
+from odc_plugin.fsdp.ulysses import SequenceGroups
+from odc_plugin.models import build_qwen2, build_qwen3_moe, shard_qwen2, split_sample_loss, token_mean_loss
 from odc_plugin.moe import ExpertRouting
 
 VOCAB = 101  # the "tiny" size
@@ -56,7 +57,12 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {n: t.float() for n, t in _full_on_cpu(dict(model.named_parameters())).items()}
 
 
-MODELS = {"qwen2": lambda: build_qwen2("tiny", seed=0), "qwen3_moe": lambda: build_qwen3_moe(seed=0)}
+MODELS = {
+    "qwen2": lambda: build_qwen2("tiny", seed=0),
+    "qwen3_moe": lambda: build_qwen3_moe(seed=0),
+    # 4 heads, 2 kv heads: its attention splits over 2 and 4 ranks (tiny's 5 heads over none)
+    "qwen2_small": lambda: build_qwen2("small", seed=0),
+}
 
 
 def sharded_model(rank: int, world_size: int, mixed_precision: bool = False, device: str = "cpu", arch="qwen2"):
@@ -116,11 +122,15 @@ def train_moe_steps(rank, world_size, seqs, plan, steps):
     return params, counts
 
 
-def minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens, before_end=lambda: None) -> None:
+def minibatch_backward(
+    model, odc, rank, world_size, seqs, plan, global_tokens, before_end=lambda: None, after_begin=lambda: None
+) -> None:
     """This rank's micro-batches of one mini-batch, forward and backward; inside ODC's begin/end with odc,
-    `before_end` called after the last backward, while the mini-batch is still open."""
+    `after_begin` called before the first micro-batch and `before_end` after the last backward, while the
+    mini-batch is open."""
     if odc:
         odc.begin()
+    after_begin()
     for mb in plan[rank]:
         token_mean_loss(model, [seqs[i] for i in mb], global_tokens, world_size).backward()
     before_end()
@@ -128,12 +138,49 @@ def minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens, 
         odc.end()
 
 
-def adamw_steps(model, odc, rank, world_size, seqs, plan, steps, after_step=lambda: None):
+def split_train_steps(rank, world_size, seqs, splits, plan, steps):
+    """adamw_steps of the 4-head Qwen2 under ODC: each mini-batch first runs the `splits` (sample, block of
+    ranks) this rank is in, each split over its block, then this rank's plan[rank]."""
+    model = sharded_model(rank, world_size, arch="qwen2_small")
+    odc = apply_odc(model, make_transport("shm"))
+    groups = SequenceGroups(max_group=world_size)
+
+    def run_splits() -> None:
+        for sample, ranks in splits:
+            if rank in ranks:
+                with groups.split(ranks) as split:
+                    split_sample_loss(model, seqs[sample], count_targets(seqs), world_size, split).backward()
+
+    return adamw_steps(model, odc, rank, world_size, seqs, plan, steps, after_begin=run_splits)
+
+
+def split_refusals(rank, world_size):
+    """What each wrong split says on this rank (of 4): a group size that is not a power of two, ranks that
+    are not a block, a block this rank is not in, attention heads that do not divide over the block."""
+
+    def refusal(attempt) -> str | None:
+        try:
+            attempt()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    messages = [refusal(lambda: SequenceGroups(max_group=3))]
+    groups = SequenceGroups(max_group=world_size)
+    messages.append(refusal(lambda: groups.split((0, 2)).__enter__()))
+    messages.append(refusal(lambda: groups.split((2, 3) if rank < 2 else (0, 1)).__enter__()))
+    model = build_qwen2("tiny", seed=0)  # 5 heads
+    with groups.split((0, 1) if rank < 2 else (2, 3)) as split:
+        messages.append(refusal(lambda: split_sample_loss(model, torch.arange(9), 8, world_size, split)))
+    return messages
+
+
+def adamw_steps(model, odc, rank, world_size, seqs, plan, steps, after_step=lambda: None, after_begin=lambda: None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     global_tokens = count_targets(seqs)
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens)
+        minibatch_backward(model, odc, rank, world_size, seqs, plan, global_tokens, after_begin=after_begin)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
         opt.step()
         after_step()
