@@ -9,7 +9,8 @@ the all-to-alls between the two layouts.
 A plan runs the split samples first, each as one micro-batch on every member of its group, in plan order;
 a group is an aligned block of k consecutive ranks, k a power of two dividing the rank count (the groups
 ODC builds once at start). LB-Mini then balances the other samples over the time each rank has left. This
-module plans and bounds; odc_plugin.balance.step_time.simulate_split times a plan. Nothing executes one yet.
+module plans and bounds; odc_plugin.balance.step_time.simulate_split times a plan, and
+odc_plugin.fsdp.ulysses runs its split micro-batches.
 """
 
 from __future__ import annotations
