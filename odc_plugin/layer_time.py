@@ -182,9 +182,11 @@ class ComputeEmulator:
         for layer in layers:
             self._wrap(layer)
 
-    def micro_batch(self, lengths: Sequence[int]) -> None:
+    def micro_batch(self, lengths: Sequence[int], share: float = 1.0, extra_s: float = 0.0) -> None:
+        """The next micro-batch is of these true lengths; of a sample split over k ranks (Ulysses), a member
+        computes `share` = 1/k of it and also spends `extra_s` in the split's all-to-alls."""
         if self.fit is not None:
-            self._layer_s = self.fit.seconds(lengths) / self.num_layers
+            self._layer_s = (self.fit.seconds(lengths) * share + extra_s) / self.num_layers
 
     def _clock(self) -> _LayerClock:
         if self.fit is None:

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .balance.costs import QWEN2_5_PRESETS
-from .fsdp.ulysses import Split, sequence_parallel_attention
+from .fsdp.ulysses import SplitMember, active_split, sequence_parallel_attention
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class _StandInBlock(nn.Module):
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, hidden_states, **kwargs):
+        if (member := active_split()) is not None:
+            # a real layer's attention exchanges tokens among the members: they meet at every layer
+            dist.barrier(group=member.group)
         return hidden_states + torch.tanh(self.proj(hidden_states))
 
 
@@ -195,12 +199,19 @@ def token_mean_loss(model: nn.Module, seqs: list[torch.Tensor], global_tokens: i
     return -torch.cat(next_token_logprobs(model, seqs)).sum() / global_tokens * world_size
 
 
-def split_sample_loss(model: nn.Module, seq: torch.Tensor, global_tokens: int, world_size: int, split: Split):
-    """token_mean_loss of one sample split over a block of ranks (odc_plugin.fsdp.ulysses), on this member:
-    the next-token loss of its slice of the tokens; the members' losses sum to the sample's."""
-    start, stop = split.bounds(len(seq))
+def split_next_token_logprobs(model: nn.Module, seq: torch.Tensor, member: SplitMember):
+    """This member's slice of a sample split over a block of ranks (odc_plugin.fsdp.ulysses): log p(token t+1 |
+    tokens <= t) at its positions t, and the positions (those at or past len(seq) - 1 are padding)."""
+    start, stop = member.bounds(len(seq))
     padded = torch.nn.functional.pad(seq, (0, stop + 1 - len(seq)))
     positions = torch.arange(start, stop, device=seq.device)
     logits = model(input_ids=padded[None, start:stop], position_ids=positions[None]).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, padded[start + 1 : stop + 1, None]).squeeze(-1)
+    return logp, positions
+
+
+def split_sample_loss(model: nn.Module, seq: torch.Tensor, global_tokens: int, world_size: int, member: SplitMember):
+    """token_mean_loss of one sample split over a block of ranks, on this member: the next-token loss of its
+    slice; the members' losses sum to the sample's."""
+    logp, positions = split_next_token_logprobs(model, seq, member)
     return -logp[positions < len(seq) - 1].sum() / global_tokens * world_size

@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
         "times it measures, each rank's speed included",
     )
     p.add_argument(
+        "--split",
+        action="store_true",
+        help="a row more, odc+lb_mini+split: LB-Mini with a mini-batch's longest samples split over Ulysses "
+        "groups of ranks where that is predicted faster",
+    )
+    p.add_argument(
         "--sweep-ranks",
         type=int,
         nargs="+",
@@ -115,6 +121,7 @@ def main(argv=None) -> None:
             stand_in=args.stand_in,
             slow_ranks=args.slow_ranks,
             cost=args.cost,
+            split=args.split,
         )
         for workload in workloads if sweep else ():  # every point is checked before the first one runs
             for n in args.sweep_ranks:

@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass, field
 
 from ..balance import load_lengths
+from ..balance.split import UlyssesModel
 from ..layer_time import EmulationFit, parse_slow_ranks
-from ..models import MODEL_SIZES
+from ..models import MODEL_SIZES, qwen2_config
 
 WORKLOADS = ("rl", "sft")
 COSTS = ("fit", "auto")
@@ -54,6 +55,9 @@ class DemoConfig:
     # "fit": LB-Mini balances with the calibrated (or emulated) fit; "auto" adds a fifth row whose
     # LB-Mini balances with the `auto` cost, fitted while it trains (rows.AUTO_ROW)
     cost: str = "fit"
+    # adds a row, odc+lb_mini+split (rows.SPLIT_ROW): LB-Mini with a mini-batch's longest samples split over
+    # Ulysses groups of ranks where that is predicted faster (odc_plugin/balance/split.py)
+    split: bool = False
     slowdowns: list[float] = field(init=False)
 
     def __post_init__(self):
@@ -113,6 +117,19 @@ class DemoConfig:
             raise ValueError(f"--cost must be one of {', '.join(COSTS)}, got {self.cost!r}")
         slow = parse_slow_ranks(self.slow_ranks, self.ranks)
         self.slowdowns = [slow.get(r, 1.0) for r in range(self.ranks)]
+        if self.split and len(self.ulysses().group_sizes(self.ranks)) == 1:
+            raise ValueError(
+                f"--split: the attention heads of {self.emulate and 'the emulated model' or self.model_size} "
+                f"divide over no group of 2 or more of the {self.ranks} ranks (a power of two dividing the rank "
+                f"count, at most 8); pick another --ranks or --model-size"
+            )
+
+    def ulysses(self) -> UlyssesModel:
+        """What splitting a sample costs beside its compute: the all-to-alls of the emulated model (modelled
+        over NVLink), or of the model that computes (a node's worth of ranks on this machine)."""
+        if self.emulate:
+            return UlyssesModel.from_config(EmulationFit.load(self.emulate).model)
+        return UlyssesModel.from_config(qwen2_config(self.model_size), gpus_per_node=min(self.ranks, 8))
 
     @property
     def samples_per_minibatch(self) -> int:

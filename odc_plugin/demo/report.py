@@ -42,6 +42,16 @@ def print_table(report: dict) -> None:
         f"limit: {statistics.median(report['limit_step_s']):.3f} s/step (median), per mini-batch {LIMIT_DEFINITION}: "
         "no plan does better"
     )
+    if report.get("split_limit"):
+        bounds = [lim["bound"] for lim in report["split_limit"]]
+        splits = report["runs"]["odc+lb_mini+split"]["splits_per_minibatch"]
+        print(
+            f"limit with splitting: {statistics.median(lim['seconds'] for lim in report['split_limit']):.3f} s/step "
+            f"(median), per mini-batch the larger of the work over the ranks plus the all-to-alls that splitting "
+            f"needs, and the longest sample at its best split; it decided {bounds.count('work')} mini-batch(es) by "
+            f"the work, {bounds.count('sample')} by a sample; split micro-batches run (over their members) per "
+            f"mini-batch: {' '.join(map(str, splits))}"
+        )
     notes = [
         off_planner_note({row: r["prediction_error"] for row, r in report["runs"].items()}, "row"),
         unbalanceable_note({"each mini-batch": (report["samples_per_minibatch"], report["config"]["ranks"])}),

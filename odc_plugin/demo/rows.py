@@ -12,6 +12,11 @@ on the same samples, so final parameters must agree. A fifth row may join them:
 
   odc+lb_mini_auto   ODC on LB-Mini's plan with the `auto` cost: fitted while training from the
                      micro-batch times this row measures, each rank's speed included
+
+and a sixth (`--split`):
+
+  odc+lb_mini+split  ODC on LB-Mini's plan with the mini-batch's longest samples split over Ulysses groups
+                     of ranks, run first, where that is predicted faster (odc_plugin/balance/split.py)
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ FACTORS = {  # name: (slower row, faster row)
 AUTO_ROW = "odc+lb_mini_auto"
 FACTORS["auto"] = (ROWS[3], AUTO_ROW)  # the online fit over the static cost
 FACTORS["lb_mini_auto"] = (ROWS[2], AUTO_ROW)  # LB-Mini with the online fit over LB-Micro
+SPLIT_ROW = "odc+lb_mini+split"
+FACTORS["split"] = (ROWS[3], SPLIT_ROW)  # splitting the longest samples, over LB-Mini's plan
 
 
 def turn_order(step: int, rows: tuple[str, ...] = ROWS) -> tuple[str, ...]:

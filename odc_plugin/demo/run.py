@@ -23,7 +23,9 @@ from ..balance import CostModel, FitCost, FlopsCost, lb_micro, lb_mini
 from ..balance.common import minibatch_limit
 from ..balance.costs import fit_quadratic
 from ..balance.online_fit import MicroBatchTime, OnlineTimeFit, lb_mini_auto
-from ..balance.step_time import simulate_minibatch
+from ..balance.split import SplitPlan, UlyssesModel, lb_mini_split, split_limit
+from ..balance.step_time import simulate_minibatch, simulate_split
+from ..fsdp.ulysses import SequenceGroups
 from ..launch import run_ranks
 from ..layer_time import ComputeEmulator, EmulationFit, auto_time_scale
 from ..models import MODEL_SIZES, build_model, qwen2_config, shard_qwen2
@@ -32,6 +34,7 @@ from .report import plot_breakdown, print_table
 from .rows import (
     AUTO_ROW,
     ROWS,
+    SPLIT_ROW,
     build_rows,
     factors,
     final_param_diff,
@@ -41,7 +44,7 @@ from .rows import (
     train_minibatch,
     turn_order,
 )
-from .workload import Sample, draw_minibatches, policy_loss
+from .workload import Sample, draw_minibatches, policy_loss, split_policy_loss
 
 
 def calibration_lengths(cfg: DemoConfig) -> list[int]:
@@ -87,20 +90,35 @@ def emulation_fit(cfg: DemoConfig, batches: list[list[Sample]]) -> EmulationFit:
 
 
 def rows_of(cfg: DemoConfig) -> tuple[str, ...]:
-    return ROWS + ((AUTO_ROW,) if cfg.cost == "auto" else ())
+    return ROWS + ((AUTO_ROW,) if cfg.cost == "auto" else ()) + ((SPLIT_ROW,) if cfg.split else ())
 
 
-def plan_minibatches(cfg: DemoConfig, batches, cost: FitCost) -> dict:
+def ulysses_in_step_time(cfg: DemoConfig, fit: EmulationFit | None) -> UlyssesModel:
+    """The split's all-to-alls in the unit of the demo's step times: emulated seconds are the GPU's times the
+    time scale."""
+    ulysses = cfg.ulysses()
+    scale = fit.time_scale if fit else 1.0
+    return dataclasses.replace(ulysses, bandwidth=ulysses.bandwidth / scale, latency_s=ulysses.latency_s * scale)
+
+
+def plan_minibatches(cfg: DemoConfig, batches, cost: FitCost, ulysses: UlyssesModel) -> dict:
     """Per row whose plans are known before training, per mini-batch, per rank: micro-batches of sample
-    indices. (The auto row's plans follow from what it measures, so its ranks make them as they go.)"""
-    plans = {"lb_micro": [], "lb_mini": []}
+    indices; the split row's are SplitPlans. (The auto row's plans follow from what it measures, so its
+    ranks make them as they go.)"""
+    plans = {"lb_micro": [], "lb_mini": [], "split": []}
     for batch in batches:
         totals = [s.total for s in batch]
         plans["lb_micro"].append(lb_micro(totals, cfg.ranks, cfg.max_token_len))
         plans["lb_mini"].append(
             lb_mini(totals, cfg.ranks, cfg.max_token_len, cost=cost, baseline=plans["lb_micro"][-1])
         )
-    return {row: plans[plan_of(row)] for row in ROWS}
+        if cfg.split:
+            plans["split"].append(
+                lb_mini_split(
+                    totals, cfg.ranks, cfg.max_token_len, cost, ulysses=ulysses, baseline=plans["lb_mini"][-1]
+                )
+            )
+    return {row: plans[plan_of(row)] for row in rows_of(cfg) if row != AUTO_ROW}
 
 
 def auto_prior(cfg: DemoConfig, fit: EmulationFit | None) -> CostModel:
@@ -122,7 +140,9 @@ def _gathered_timings(rank: int, batch, micro_batches, seconds) -> list[MicroBat
     return [t for timings in every for t in timings]
 
 
-def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | None, prior: CostModel):
+def rank_body(
+    rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | None, prior: CostModel, ulysses: UlyssesModel
+):
     """One rank's part of the demo; long because it is the one loop over mini-batches and rows that the timings must
     come from, in order.
     """
@@ -140,6 +160,7 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
 
     names = rows_of(cfg)
     rows = build_rows(build, "shm", lr=1e-5, names=names)
+    groups = SequenceGroups(ulysses.group_sizes(world)[-1]) if SPLIT_ROW in names else None
     online = OnlineTimeFit(world)
     plans = dict(plans, **{AUTO_ROW: []}) if AUTO_ROW in names else plans
 
@@ -147,6 +168,13 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
         if emulator:
             emulator.micro_batch([s.total for s in samples])
         return policy_loss(model, [s.stand_in(cfg.stand_in) for s in samples], vocab, response_tokens, world)
+
+    def split_loss(model, sample: Sample, ranks: range, response_tokens: int):
+        """This rank's slice of a sample split over `ranks`: its share of the compute, and the all-to-alls."""
+        if emulator:
+            emulator.micro_batch([sample.total], 1 / len(ranks), ulysses.seconds(sample.total, len(ranks)))
+        with groups.split(ranks) as member:
+            return split_policy_loss(model, sample.stand_in(cfg.stand_in), vocab, response_tokens, world, member)
 
     record = {row: [] for row in names}
     auto_fits = []
@@ -168,14 +196,25 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
                         baseline=plans[ROWS[2]][step],
                     )
                 )
-            micro_batches = plans[row][step][rank]
+            plan = plans[row][step]
+            splits = [s for s in plan.splits if rank in s.group] if isinstance(plan, SplitPlan) else []
+            micro_batches = plan.ranks[rank] if isinstance(plan, SplitPlan) else plan[rank]
             losses = [
+                lambda s=s, m=rows[row].model, b=batch, r=response_tokens: split_loss(m, b[s.sample], s.group, r)
+                for s in splits
+            ] + [
                 lambda mb=mb, m=rows[row].model, b=batch, r=response_tokens: loss(m, [b[i] for i in mb], r)
                 for mb in micro_batches
             ]
             rec = train_minibatch(rows[row], losses)
-            rec["samples"] = [batch[i].seed for mb in micro_batches for i in mb]
-            rec["tokens"] = sum(batch[i].total for mb in micro_batches for i in mb)
+            # a split sample is the first member's, and each member's k-th of its tokens
+            rec["samples"] = [batch[s.sample].seed for s in splits if s.first == rank] + [
+                batch[i].seed for mb in micro_batches for i in mb
+            ]
+            rec["tokens"] = sum(batch[s.sample].total / s.k for s in splits) + sum(
+                batch[i].total for mb in micro_batches for i in mb
+            )
+            rec["splits"] = len(splits)
             record[row].append(rec)
             if row == AUTO_ROW:
                 online.add(_gathered_timings(rank, batch, micro_batches, rec["micro_batch_s"]))
@@ -193,22 +232,21 @@ def rank_body(rank, world, cfg: DemoConfig, batches, plans, fit: EmulationFit | 
     }
 
 
-def predict(cfg: DemoConfig, batches, plans, cost: FitCost) -> dict[str, list[float]]:
+def predict(cfg: DemoConfig, batches, plans, cost: FitCost, ulysses: UlyssesModel) -> dict[str, list[float]]:
     """The planner's compute-only step time of every row and mini-batch: lockstep rows last the sum over
     micro-batch steps of the slowest rank, ODC rows the slowest rank's sum, each rank's compute times
-    its slowdown. It has no transport in it, so it predicts the same time for the first two rows."""
-    return {
-        row: [
-            simulate_minibatch(
-                plans[row][k],
-                cost.costs([s.total for s in batch]),
-                lockstep=not row.startswith("odc"),
-                slowdown=cfg.slowdowns,
-            ).seconds
-            for k, batch in enumerate(batches)
-        ]
-        for row in plans
-    }
+    its slowdown; the split row its split samples first (their compute over k and their all-to-alls). It
+    has no transport in it, so it predicts the same time for the first two rows."""
+
+    def seconds(row: str, plan, batch) -> float:
+        lengths = [s.total for s in batch]
+        if isinstance(plan, SplitPlan):
+            return simulate_split(plan, cost.costs(lengths), lengths, ulysses, slowdown=cfg.slowdowns).seconds
+        return simulate_minibatch(
+            plan, cost.costs(lengths), lockstep=not row.startswith("odc"), slowdown=cfg.slowdowns
+        ).seconds
+
+    return {row: [seconds(row, plans[row][k], batch) for k, batch in enumerate(batches)] for row in plans}
 
 
 def limit_step_s(cfg: DemoConfig, batches, cost: FitCost) -> list[float]:
@@ -216,7 +254,18 @@ def limit_step_s(cfg: DemoConfig, batches, cost: FitCost) -> list[float]:
     return [minibatch_limit(cost.costs([s.total for s in batch]), cfg.slowdowns) for batch in batches]
 
 
-def summarize(cfg: DemoConfig, batches, per_rank, predicted, limit, calibration) -> dict:
+def split_limits(cfg: DemoConfig, batches, cost: FitCost, ulysses: UlyssesModel) -> list[dict]:
+    """Per mini-batch, the time no plan that may split samples beats, and which bound decides it: the work
+    over the ranks plus the all-to-alls splitting needs, or the longest sample at its best split."""
+    limits = []
+    for batch in batches:
+        lengths = [s.total for s in batch]
+        limit = split_limit(cost.costs(lengths), lengths, cfg.slowdowns, ulysses)
+        limits.append({"seconds": limit.seconds, "bound": limit.bound})
+    return limits
+
+
+def summarize(cfg: DemoConfig, batches, per_rank, predicted, limit, calibration, split_limit_s=None) -> dict:
     steps = range(cfg.steps)
     tokens = [sum(s.total for s in b) for b in batches]
     runs, step_s = {}, {}
@@ -247,6 +296,13 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, limit, calibration)
             "prediction_error": statistics.median(p / m - 1 for p, m in zip(predicted[row], step_s[row])),
             "over_limit": statistics.median(m / lim - 1 for m, lim in zip(step_s[row], limit)),
         }
+        if row == SPLIT_ROW:  # against the limit of plans that may split
+            runs[row]["over_limit"] = statistics.median(
+                m / lim["seconds"] - 1 for m, lim in zip(step_s[row], split_limit_s)
+            )
+            runs[row]["splits_per_minibatch"] = [
+                sum(rec["splits"] for rec in recs) for recs in records
+            ]  # members' split micro-batches
     return {
         "config": asdict(cfg),
         "runs": runs,
@@ -254,6 +310,7 @@ def summarize(cfg: DemoConfig, batches, per_rank, predicted, limit, calibration)
         "predicted_factors": factors(predicted),
         "samples_per_minibatch": cfg.samples_per_minibatch,
         "limit_step_s": limit,
+        "split_limit": split_limit_s,
         "calibration": calibration,
         "max_param_diff": max(r["max_param_diff"] for r in per_rank),
         "memory_mb": sum(r["memory_mb"] for r in per_rank),
@@ -287,12 +344,19 @@ def run_demo(cfg: DemoConfig, quiet: bool = False) -> dict:
         say(f"cost fit on this CPU: t(s) = {cost.a:.3g} s^2 + {cost.b:.3g} s seconds per sequence", flush=True)
     if any(f != 1.0 for f in cfg.slowdowns):
         say(f"slow ranks: {', '.join(f'{r}: {f:g}x' for r, f in enumerate(cfg.slowdowns) if f != 1.0)}", flush=True)
-    plans = plan_minibatches(cfg, batches, cost)
-    per_rank = run_ranks(rank_body, cfg.ranks, cfg, batches, plans, fit, auto_prior(cfg, fit))
+    ulysses = ulysses_in_step_time(cfg, fit)
+    plans = plan_minibatches(cfg, batches, cost, ulysses)
+    per_rank = run_ranks(rank_body, cfg.ranks, cfg, batches, plans, fit, auto_prior(cfg, fit), ulysses)
     if cfg.cost == "auto":
         plans[AUTO_ROW] = per_rank[0]["auto_plans"]
     report = summarize(
-        cfg, batches, per_rank, predict(cfg, batches, plans, cost), limit_step_s(cfg, batches, cost), calibration
+        cfg,
+        batches,
+        per_rank,
+        predict(cfg, batches, plans, cost, ulysses),
+        limit_step_s(cfg, batches, cost),
+        calibration,
+        split_limits(cfg, batches, cost, ulysses) if cfg.split else None,
     )
     os.makedirs(cfg.out_dir, exist_ok=True)
     json_path, png_path = os.path.join(cfg.out_dir, "odc_demo.json"), os.path.join(cfg.out_dir, "odc_demo.png")

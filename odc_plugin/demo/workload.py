@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..balance import load_lengths, rl_math_like, sft_long_context_like
-from ..models import next_token_logprobs
+from ..models import next_token_logprobs, split_next_token_logprobs
 from .config import DemoConfig
 
 
@@ -91,3 +91,11 @@ def policy_loss(model, samples: list[Sample], vocab: int, global_response_tokens
     logps = next_token_logprobs(model, [sample_tokens(s, vocab) for s in samples])
     total = sum(-s.advantage * logp[s.prompt_len - 1 :].sum() for s, logp in zip(samples, logps))
     return total / global_response_tokens * world
+
+
+def split_policy_loss(model, sample: Sample, vocab: int, global_response_tokens: int, world: int, member):
+    """policy_loss of one sample split over a block of ranks (odc_plugin.fsdp.ulysses), on this member: its
+    slice's response tokens; the members' losses sum to the sample's."""
+    logp, positions = split_next_token_logprobs(model, sample_tokens(sample, vocab), member)
+    response = (positions >= sample.prompt_len - 1) & (positions < sample.total - 1)
+    return -sample.advantage * logp[response].sum() / global_response_tokens * world

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 
 @dataclass(frozen=True)
-class Split:
+class SplitMember:
     """The block a micro-batch is split over, as one member sees it."""
 
     ranks: tuple[int, ...]
@@ -44,7 +44,12 @@ class Split:
         return self.index * chunk, (self.index + 1) * chunk
 
 
-_ACTIVE: ContextVar[Split | None] = ContextVar("odc_sequence_split", default=None)
+_ACTIVE: ContextVar[SplitMember | None] = ContextVar("odc_sequence_split", default=None)
+
+
+def active_split() -> SplitMember | None:
+    """The split the running micro-batch is in on this rank, if any."""
+    return _ACTIVE.get()
 
 
 class SequenceGroups:
@@ -72,7 +77,7 @@ class SequenceGroups:
         return list(self._groups)
 
     @contextlib.contextmanager
-    def split(self, ranks: Sequence[int]) -> Iterator[Split]:
+    def split(self, ranks: Sequence[int]) -> Iterator[SplitMember]:
         """Run a micro-batch split over `ranks` (a block; this rank among them): attention wrapped by
         `sequence_parallel_attention` then exchanges over the block."""
         ranks = tuple(ranks)
@@ -80,7 +85,7 @@ class SequenceGroups:
             raise ValueError(f"ranks {list(ranks)} are not a block of these groups (blocks: {self.blocks})")
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} runs a micro-batch split over {list(ranks)}, which it is not in")
-        split = Split(ranks, ranks.index(self.rank), self._groups[ranks])
+        split = SplitMember(ranks, ranks.index(self.rank), self._groups[ranks])
         token = _ACTIVE.set(split)
         try:
             yield split
@@ -111,7 +116,7 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _to_heads(x: torch.Tensor, split: Split) -> torch.Tensor:
+def _to_heads(x: torch.Tensor, split: SplitMember) -> torch.Tensor:
     """(batch, heads, tokens/k, dim) on each member -> (batch, heads/k, tokens, dim)."""
     b, h, s, d = x.shape
     k = split.size
@@ -119,7 +124,7 @@ def _to_heads(x: torch.Tensor, split: Split) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // k, k * s, d)
 
 
-def _to_tokens(x: torch.Tensor, split: Split) -> torch.Tensor:
+def _to_tokens(x: torch.Tensor, split: SplitMember) -> torch.Tensor:
     """The inverse of _to_heads."""
     b, hk, ks, d = x.shape
     k = split.size
@@ -134,7 +139,7 @@ def sequence_parallel_attention(attention: Callable) -> Callable:
 
     @functools.wraps(attention)
     def attend(module, query, key, value, attention_mask, *args, position_ids=None, **kwargs):
-        split = _ACTIVE.get()
+        split = active_split()
         if split is None:
             return attention(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
         heads, kv_heads = query.shape[1], key.shape[1]

@@ -8,7 +8,7 @@ import pytest
 
 from odc_plugin.demo import main
 from odc_plugin.demo.config import SAMPLES_PER_RANK, DemoConfig
-from odc_plugin.demo.rows import FACTORS, ROWS
+from odc_plugin.demo.rows import FACTORS, ROWS, SPLIT_ROW
 from odc_plugin.demo.run import run_demo
 from odc_plugin.demo.workload import draw_minibatches
 from odc_plugin.models import MODEL_SIZES
@@ -55,7 +55,8 @@ def test_tiny_demo_reports_four_rows_that_train_the_same_samples_to_the_same_par
     for row in ("odc+lb_micro", "odc+lb_mini"):
         assert report["runs"][row]["barriers_per_rank"] == [[1, 1], [1, 1]]
     assert report["runs"]["fsdp2+lb_micro"]["barriers_per_rank"] == [[0, 0], [0, 0]]
-    assert set(report["factors"]) == set(report["predicted_factors"]) == set(FACTORS) - {"auto", "lb_mini_auto"}
+    rows_not_run = {"auto", "lb_mini_auto", "split"}
+    assert set(report["factors"]) == set(report["predicted_factors"]) == set(FACTORS) - rows_not_run
     assert report["predicted_factors"]["transport"] == 1.0  # the planner has no transport in it
     assert report["max_param_diff"] < 1e-5
     # fp32 gathers: the published shards, 4 bytes per parameter, and the accumulator's padding (its
@@ -65,6 +66,25 @@ def test_tiny_demo_reports_four_rows_that_train_the_same_samples_to_the_same_par
     assert "ODC+LB-Mini over the lockstep baseline on the same transport" in out and "mini-batch 2/2" in out
     assert "nothing can be balanced" not in out  # 8 samples over 2 ranks
     assert "ODC's memory over FSDP2: " in out
+
+
+def test_the_split_row_splits_long_samples_over_ranks_and_trains_to_the_same_parameters(tmp_path, capfd):
+    """One long-tailed SFT sample per rank: the split row runs the longest over Ulysses groups of 2 or 4 of
+    the 4 ranks (the small model's 4 heads), the rest whole, and ends where every other row does."""
+    cfg = DemoConfig(
+        ranks=4, steps=2, workload="sft", mini_batch_size=4, max_token_len=512, split=True, out_dir=str(tmp_path)
+    )
+    report = run_demo(cfg)
+    assert list(report["runs"]) == [*ROWS, SPLIT_ROW]
+    split = report["runs"][SPLIT_ROW]
+    assert sum(split["splits_per_minibatch"]) > 0, split["splits_per_minibatch"]
+    for k, batch in enumerate(draw_minibatches(cfg)):
+        trained = sorted(seed for rank in split["samples_per_rank"][k] for seed in rank)
+        assert trained == sorted(s.seed for s in batch)  # a split sample counts once, for its first member
+    assert report["max_param_diff"] < 1e-5
+    assert {lim["bound"] for lim in report["split_limit"]} <= {"work", "sample"}
+    assert "split" in report["factors"] and "split" in report["predicted_factors"]
+    assert "limit with splitting: " in capfd.readouterr().out
 
 
 def test_the_default_mini_batch_gives_every_rank_several_samples():
@@ -128,6 +148,7 @@ def test_lengths_file_drives_the_mini_batches(tmp_path):
         (["--max-token-len", "100"], "--max-token-len 100 is below the longest possible sample"),
         (["--workload", "pretrain"], "invalid choice: 'pretrain'"),
         (["--mini-batch-size", "0"], "--mini-batch-size must be >= 1"),
+        (["--split", "--model-size", "tiny"], "--split: the attention heads of tiny divide over no group of 2 or more"),
     ],
 )
 def test_bad_options_are_one_line_errors(argv, message, capsys):

@@ -91,7 +91,7 @@ def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli, out):
     assert all(ray_dirs) and not any(grpo.ray_processes(d) for d in ray_dirs)
 
 
-def test_odc_run_logs_odc_metrics_and_uneven_shares(grpo_cli):
+def test_odc_run_logs_odc_metrics_and_its_plans(grpo_cli):
     _, runs, _ = grpo_cli
     odc = runs["odc"]
     for metrics in odc.values():
@@ -105,15 +105,9 @@ def test_odc_run_logs_odc_metrics_and_uneven_shares(grpo_cli):
         ):
             assert key in metrics, key
     assert not any(k.startswith(("actor/odc/", "odc_balance/")) for m in runs["fsdp2"].values() for k in m)
-    # LB-Mini balanced cost, not counts: in some step the two ranks trained different numbers of samples
-    # (or of micro-batches)
-    uneven = [
-        s
-        for s, m in odc.items()
-        if m["odc_balance/samples_min"] != m["odc_balance/samples_max"]
-        or m["actor/odc/micro_batches_min"] != m["actor/odc/micro_batches_max"]
-    ]
-    assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
+    # (Whether LB-Mini leaves verl's split here, with ranks of equal speed, depends on this machine's timings:
+    # it moves work only for a predicted gain above its fit's error. test_verl_settings' rows 1 and 7, with
+    # a slow rank, require uneven shares.)
     # the auto cost (the default): a fit after every update, its prediction checked from the second step
     # on, where the plans used it; the forward-only passes planned too
     for step, metrics in odc.items():
