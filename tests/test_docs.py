@@ -45,6 +45,7 @@ SMALLER = {
     "odc-plan": ["--draws", "2"],
     "odc-spes": ["--nodes", "2", "--steps", "10"],
     "python benchmarks/bench_odc_core.py": ["--steps", "1", "--model-size", "tiny"],
+    "python benchmarks/bench_split.py": ["--steps", "1", "--ranks", "4", "--time-scale", "0.02"],
     "python benchmarks/bench_balance.py": ["--draws", "2", "--timing-runs", "1", "--plan-draws", "1"],
     "ruff": [],
 }
