@@ -27,7 +27,8 @@ HSDP, and ODC then gets and accumulates inside each fsdp group (one node) and al
 groups once per mini-batch.
 
 ODC's device memory follows the engine's phases: its regions (published shards, accumulator) exist only
-while the engine computes. They are built at the start of a pass (`forward_backward_batch`; a rank whose
+while the engine computes. They are built at the start of a pass (`forward_backward_batch`; the accumulator
+at the first pass that trains, so a trained model's log-probs hold its published copy alone; a rank whose
 build fails fails it on every rank at once, naming that rank, as a failed mini-batch) and released
 when verl leaves the engine's train or eval mode (the outermost, and only without an exception: all ranks
 leave alike then), when it offloads the model to the CPU (`to`), and once the engine is initialized, so
@@ -205,10 +206,9 @@ class _ODCEngineMixin:
         self._odc_held_outside = self.odc.transport.held_bytes()
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        # collective, before anything of the pass that may fail on one rank alone. The accumulator too, even
-        # for a forward-only pass: built at the update instead, under param offload the step held 8.6 extra
-        # bytes per parameter against 4.6 (tests/verl/test_odc_lifecycle.py), not yet understood
-        self.odc.build()
+        # collective, before anything of the pass that may fail on one rank alone; the accumulator only for a
+        # pass that trains (a trained model's log-probs hold the published copy alone)
+        self.odc.build(backward=not forward_only)
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         tu.pop(data, key=STEPS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan: one step, all
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
