@@ -83,7 +83,12 @@ def test_the_step_equals_fsdp2_and_the_metrics_report_odc_memory(runs):
     # since the last report (the step's), and the reference model's figures
     assert metrics["odc/held_outside_bytes"] == [0.0] * 2 * WORLD, metrics["odc/held_outside_bytes"]
     assert all(0 < v < 8192 for v in metrics["odc/control_bytes"]), metrics["odc/control_bytes"]
-    assert all(4 < v < 5 for v in metrics["odc/extra_bytes_per_param"]), metrics["odc/extra_bytes_per_param"]
+    # the published shards (fp32), padding and flags; under the slots method, which the engine's start-up
+    # calibration may pick on a busy machine, the accumulator's copy for each peer too
+    slots = metrics["odc/transport/accumulate_slots_chosen"]
+    assert len(set(slots)) == 1, slots
+    extra = 4 + 4 * (WORLD - 1) * slots[0]
+    assert all(extra < v < extra + 1 for v in metrics["odc/extra_bytes_per_param"]), (slots, metrics)
     assert metrics["odc/ref/held_outside_bytes"] == [0.0] * WORLD, metrics["odc/ref/held_outside_bytes"]
     for key in ("odc/rebuild_s", "odc/ref/rebuild_s"):
         assert len(metrics[key]) == WORLD and all(v > 0 for v in metrics[key]), (key, metrics[key])
