@@ -4,7 +4,8 @@ A block is a command block unless it is marked with a language other than a shel
 snippet). Its lines are commands (a trailing backslash continues one, `#` starts a comment, `&&` chains
 several); each command is either run, with SMALLER's options appended so that it finishes in seconds to a
 minute (argparse takes the last value of an option given twice, so a documented value is overridden,
-while a documented option the program no longer has still fails it), or listed in NOT_RUN with the reason.
+while a documented option the program no longer has still fails it), or listed in NOT_RUN with the reason,
+or in RUN_ELSEWHERE with the test that runs it.
 A command that is neither fails the test, naming itself. Commands run in a temporary directory, with
 `benchmarks/` and `configs/` reachable as in the repository, so what they write stays out of the tree.
 """
@@ -37,6 +38,15 @@ NOT_RUN = {
     "python3 -m pip": "the wheel folder's download lines (network), which gpu_check.py --build-wheels runs",
     "python examples/preprocess_data.py": "downloads GSM8K and MATH from the Hugging Face Hub",
     "python examples/ab_report.py": "two GPU runs' metrics; tests/verl/test_ab_report.py reports on real ones",
+}
+# A whole command (a regular expression) -> the test that runs it as written, or with more (both strategies,
+# more steps), so that it is not run again here.
+RUN_ELSEWHERE = {
+    r"odc-grpo-cpu( --steps 3)?": "tests/verl/test_main_ppo.py: odc-grpo-cpu --steps 3 with the KL loss (grpo_cli)",
+    r"odc-grpo-cpu --emulate \S+ --compare fsdp2,lockstep,odc --ranks \d+ --steps \d+": "tests/verl/"
+    "test_trainer_emulated.py: the same runs at 4 ranks, 2 steps",
+    r"odc-grpo-cpu --steps 2 trainer\.v1\.trainer_mode=separate_async .*": "tests/verl/test_trainer_modes.py: "
+    "separate_async with these settings (and the KL loss) under fsdp2 and odc",
 }
 # A command's start -> options that shrink it to a small size.
 SMALLER = {
@@ -81,7 +91,7 @@ def _start(command: str, table: dict) -> str | None:
 
 def to_run(command: str) -> list[str] | None:
     """The argv the test runs for a documented command, None if it is not run (NOT_RUN)."""
-    if _start(command, NOT_RUN):
+    if _start(command, NOT_RUN) or any(re.fullmatch(pattern, command) for pattern in RUN_ELSEWHERE):
         return None
     words = shlex.split(command, comments=True)
     variables = []

@@ -1,10 +1,11 @@
-"""verl's real trainer at 8 ranks with layer compute emulated from the GPU fit (`odc-grpo-cpu --emulate
+"""verl's real trainer at 4 ranks with layer compute emulated from the GPU fit (`odc-grpo-cpu --emulate
 --compare fsdp2,lockstep,odc`), at test scale: tiny time scale, each real token standing for 64, 2 steps.
 
 The three runs are verl's `main_ppo` in their own process trees; they see the same drawn response lengths
 and the same rollouts (same weights at step 1), so their first updates are the same math: fsdp2 over
-gloo, ODC's transport with FSDP's per-layer lockstep, and ODC with LB-Mini. A few minutes in all (8 ranks
-start slowly on 2 cores); the measurements at scale are in docs/results.md ("verl's trainer at 8, 16 and 32 ranks").
+gloo, ODC's transport with FSDP's per-layer lockstep, and ODC with LB-Mini. A few minutes in all (each rank
+a Ray worker that imports verl, on 2 cores); the measurements at scale are in docs/results.md ("verl's trainer
+at 8, 16 and 32 ranks").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from odc_plugin.verl.cpu.emulation import load_passes
 ROOT = Path(__file__).resolve().parents[2]
 FIT_FILE = str(ROOT / "configs" / "cost_fit" / "Qwen2.5-7B-H100.json")
 RUNS = ("fsdp2", "lockstep", "odc")
-RANKS = 8
+RANKS = 4
 
 
 @pytest.fixture(scope="module")

@@ -178,7 +178,14 @@ def table(tmp_path_factory):
     print(f"\n{path}:\n{path.read_text()}")
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=[f"row{i + 1}" for i in range(len(SETTINGS))])
+@pytest.mark.parametrize(
+    "setting",
+    # a group a row: the two workers share the rows
+    [
+        pytest.param(s, id=f"row{i + 1}", marks=pytest.mark.xdist_group(f"settings-row{i + 1}"))
+        for i, s in enumerate(SETTINGS)
+    ],
+)
 def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_factory, table):
     out = tmp_path_factory.mktemp("setting")
     if setting.refused:
