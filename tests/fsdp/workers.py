@@ -144,12 +144,13 @@ def split_train_steps(rank, world_size, seqs, splits, plan, steps):
     model = sharded_model(rank, world_size, arch="qwen2_small")
     odc = apply_odc(model, make_transport("shm"))
     groups = SequenceGroups(max_group=world_size)
+    global_tokens = count_targets(seqs)
 
     def run_splits() -> None:
         for sample, ranks in splits:
             if rank in ranks:
                 with groups.split(ranks) as split:
-                    split_sample_loss(model, seqs[sample], count_targets(seqs), world_size, split).backward()
+                    split_sample_loss(model, seqs[sample], global_tokens, world_size, split).backward()
 
     return adamw_steps(model, odc, rank, world_size, seqs, plan, steps, after_begin=run_splits)
 
