@@ -4,7 +4,8 @@ each trained by verl's real trainer (`main_ppo`, 2 CPU ranks, 3 steps) under fsd
 same weights on the same rollouts, and compared step by step: the same rewards and lengths, and the actor's
 (and critic's) gradient norm, policy loss, entropy, KL loss and value loss to the golden metrics' tolerance.
 A setting odc cannot train as fsdp2 does is refused by odc at start with a one-line error instead (the loss
-probe's, odc_plugin/verl/loss_probe.py), and that is a row here too.
+probe's, odc_plugin/verl/loss_probe.py), and that is a row here too: the line of the check the trainer runs
+at start, on the run's own configuration, and one such row run through the trainer.
 
 Settings that do not interact share a row, to keep the CI budget: about 1.5 minutes a row. Each row's
 worst relative difference is written to `verl_settings.md` in the run's temporary directory (printed
@@ -75,9 +76,12 @@ SETTINGS = (
         accumulate="slots",
     ),
     Setting(
-        "actor param + optimizer offload; no_sync gradient accumulation; token-sum; mse KL loss; "
-        "fixed micro-batch size 2; 2 mini-batches; odc's accumulate method forced to direct (odc_accumulate=direct)",
+        "GMPO (policy_loss.loss_mode=geo_mean: a mean over the micro-batch's sequences) with odc_balancer=lb_micro "
+        "and fixed micro-batch sizes, which pack as fsdp2 does; actor param + optimizer offload; no_sync gradient "
+        "accumulation; token-sum; mse KL loss; fixed micro-batch size 2; 2 mini-batches; odc's accumulate method "
+        "forced to direct (odc_accumulate=direct)",
         (
+            f"{ACTOR}.policy_loss.loss_mode=geo_mean",
             *golden.FIXED_MICRO_BATCHES,
             f"{ACTOR}.ppo_mini_batch_size=4",
             f"{ACTOR}.fsdp_config.param_offload=True",
@@ -88,40 +92,28 @@ SETTINGS = (
             f"{ACTOR}.kl_loss_type=mse",
             f"{ACTOR}.fsdp_config.odc_accumulate=direct",
         ),
+        odc_run="odc_lb_micro",
         accumulate="direct",
     ),
     Setting(
-        "FSDP2's own CPU offload (offload_policy); CISPO (policy_loss.loss_mode=cispo) with seq-mean-token-sum; "
-        "2 mini-batches",
-        (
-            f"{ACTOR}.policy_loss.loss_mode=cispo",
-            f"{ACTOR}.fsdp_config.offload_policy=True",
-            f"{ACTOR}.loss_agg_mode=seq-mean-token-sum",
-            f"{ACTOR}.ppo_mini_batch_size=4",
-        ),
-    ),
-    Setting(
         "PPO with a critic (run_deepseek7b_llm.sh), actor on fixed micro-batch sizes (the critic's keys for them set "
-        "too, which verl 0.9.1's critic engine leaves for its token budget); "
-        "seq-mean-token-sum-norm with loss_scale_factor; 2 mini-batches",
+        "too, which verl 0.9.1's critic engine leaves for its token budget); CISPO (policy_loss.loss_mode=cispo) "
+        "with seq-mean-token-sum-norm and loss_scale_factor; the critic's loss seq-mean-token-sum; the actor on "
+        "FSDP2's own CPU offload (offload_policy); 2 mini-batches",
         (
             "algorithm.adv_estimator=gae",
             "critic.optim.lr=1e-4",
             "critic.use_dynamic_bsz=False",
             "critic.ppo_micro_batch_size_per_gpu=2",
             "critic.ppo_mini_batch_size=4",
+            "critic.loss_agg_mode=seq-mean-token-sum",
             *golden.FIXED_MICRO_BATCHES,
             f"{ACTOR}.ppo_mini_batch_size=4",
+            f"{ACTOR}.policy_loss.loss_mode=cispo",
             f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm",
             f"{ACTOR}.loss_scale_factor=64",
+            f"{ACTOR}.fsdp_config.offload_policy=True",
         ),
-    ),
-    Setting(
-        "GMPO (policy_loss.loss_mode=geo_mean: a mean over the micro-batch's sequences) with odc_balancer=lb_micro "
-        "and fixed micro-batch sizes, which pack as fsdp2 does; 2 mini-batches",
-        # 2 mini-batches: on the first, GMPO's loss is 0 but for rounding (whole GRPO groups, on-policy ratios)
-        (f"{ACTOR}.policy_loss.loss_mode=geo_mean", *golden.FIXED_MICRO_BATCHES, f"{ACTOR}.ppo_mini_batch_size=4"),
-        odc_run="odc_lb_micro",
     ),
     Setting(
         "GMPO (policy_loss.loss_mode=geo_mean) under LB-Mini with a fixed micro-batch size of 1: each sample in a "
@@ -189,14 +181,7 @@ def table(tmp_path_factory):
 def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_factory, table):
     out = tmp_path_factory.mktemp("setting")
     if setting.refused:
-        message = _refusal(assets, out, setting.overrides)
-        run = train(out, assets, "odc", "odc", 1, setting.overrides)
-        assert run.result.returncode != 0 and not run.metrics
-        assert grpo.last_error(run.result.log_file).endswith(message)
-        # refused at start: before any worker built an engine
-        assert "odc: ODCEngine" not in run.log()
-        assert not grpo.ray_processes(run.result.ray_dir)
-        table.append(f"| {setting.name} | | `{message}` |")
+        table.append(f"| {setting.name} | | `{_refusal(assets, out, setting.overrides)}` |")
         return
     runs = {
         s: train(out, assets, s, s, STEPS, setting.overrides, slow_ranks=setting.slow_ranks)
@@ -218,3 +203,17 @@ def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_f
         lines = golden.compare({s: r.metrics for s, r in runs.items()}, "grpo_cpu_example")
         assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
     table.append(f"| {setting.name} | {worst:.1e} ({where}) | |")
+
+
+def test_the_trainer_refuses_a_refused_setting_at_start_with_that_line(assets, tmp_path_factory):
+    """verl's trainer calls check_losses at start, so a refused row's line is the trainer's: shown here for the
+    row the loss probe refuses (the other refused rows' lines come from the same call)."""
+    (setting,) = [s for s in SETTINGS if s.refused and "geo_mean" in " ".join(s.overrides)]
+    out = tmp_path_factory.mktemp("refused")
+    message = _refusal(assets, out, setting.overrides)
+    run = train(out, assets, "odc", "odc", 1, setting.overrides)
+    assert run.result.returncode != 0 and not run.metrics
+    assert grpo.last_error(run.result.log_file).endswith(message)
+    # refused at start: before any worker built an engine
+    assert "odc: ODCEngine" not in run.log()
+    assert not grpo.ray_processes(run.result.ray_dir)
