@@ -121,10 +121,12 @@ def golden_file(config: str) -> Path:
     return GOLDEN_DIR / f"{config}.json"
 
 
-def compare(runs: dict[str, dict[int, dict]], config: str = "grpo_cpu") -> list[str]:
+def compare(runs: dict[str, dict[int, dict]], config: str = "grpo_cpu", against: str | None = None) -> list[str]:
     """What differs between a finished run of `config` and its golden file, one line each; empty when they
-    agree."""
+    agree. With `against` (a strategy), every run is compared with the golden file's run of that strategy."""
     golden = json.loads(golden_file(config).read_text())
+    if against is not None:
+        golden["metrics"] = {name: golden["metrics"][against] for name in runs}
     lines = []
     model_dir = ensure_assets(log=lambda _: None).model_dir
     if golden.get("assets") != (fingerprint := model_fingerprint(model_dir)):

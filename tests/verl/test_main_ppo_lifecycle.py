@@ -1,14 +1,15 @@
-"""ODC's memory follows verl's lifecycle in verl's real trainer (`main_ppo` as odc-grpo-cpu runs it: 2 CPU
-ranks, 3 steps, 2 mini-batches per step, the KL loss so the reference model runs).
+"""ODC's memory follows verl's lifecycle in verl's real trainer (`main_ppo` as `odc-grpo-cpu --steps 3` runs
+it with the KL loss, so the reference model runs: 2 CPU ranks, the golden metrics' grpo_cpu configuration).
 
 While the rollout generates, ODC holds no region but its transports' control words (a few KiB), seen from
 outside the engines: at every generate request the rollout's server reads which of ODC's shared-memory
 files the run's other processes map (tests/verl/rollout_watch.py). With the actor's parameter and
-optimizer offload and the reference model's parameter offload on, and with them off; every step's
-rewards and lengths are fsdp2's exactly and its losses, gradient norm and entropy to golden.RTOL. The
-fsdp2 run has the offload on: on CPU offloading moves nothing (the parameters already live there), so its
-metrics are those of the run without (seen equal when this test was written). The runs' own metrics report
-what ODC held outside training (0), its extra bytes during a mini-batch and its rebuild time per step.
+optimizer offload and the reference model's parameter offload on, and with them off; every step equals the
+golden fsdp2 run of that configuration (tests/verl/golden.py: rewards and lengths exactly, losses, gradient
+norm and entropy to its tolerance), which test_main_ppo checks against a fresh fsdp2 run. On CPU offloading
+moves nothing (the parameters already live there), so the run with offload has the metrics of the run
+without. The runs' own metrics report what ODC held outside training (0), its extra bytes during a
+mini-batch and its rebuild time per step.
 """
 
 from __future__ import annotations
@@ -23,15 +24,11 @@ from odc_plugin.verl.cpu.assets import ensure_assets
 from tests.fsdp.memory_workers import CONTROL_REGIONS
 from tests.verl import golden
 from tests.verl.rollout_watch import WATCH_ENV
-from tests.verl.trainer_runs import train, worst_difference
+from tests.verl.trainer_runs import train
 
 STEPS = 3
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "+ray_kwargs.ray_init.runtime_env.env_vars"
-SETTINGS = [
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # 8 prompts a step: 2 mini-batches
-    *golden.KL_LOSS,
-]
 OFFLOAD = [
     "actor_rollout_ref.actor.fsdp_config.param_offload=True",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
@@ -44,11 +41,11 @@ def runs(tmp_path_factory):
     out, assets = tmp_path_factory.mktemp("lifecycle"), ensure_assets()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", str(ROOT))  # the watch module, in every Ray worker
-        done = {"fsdp2": train(out, assets, "fsdp2", "fsdp2", STEPS, [*SETTINGS, *OFFLOAD])}
+        done = {}
         for name, offload in (("offload", OFFLOAD), ("no_offload", [])):
             watch = out / f"{name}.watch.jsonl"
             watched = [f"{ENV}.VERL_USE_EXTERNAL_MODULES=tests.verl.rollout_watch", f"{ENV}.{WATCH_ENV}={watch}"]
-            done[name] = train(out, assets, name, "odc", STEPS, [*SETTINGS, *offload, *watched])
+            done[name] = train(out, assets, name, "odc", STEPS, [*golden.KL_LOSS, *offload, *watched])
             done[name].watch = [json.loads(line) for line in watch.read_text().splitlines()] if watch.exists() else []
     return done
 
@@ -82,8 +79,6 @@ def test_while_the_rollout_generates_odc_holds_only_its_control_words(runs, name
 
 @pytest.mark.parametrize("name", ["offload", "no_offload"])
 def test_every_step_equals_fsdp2(runs, name):
-    fsdp2, odc = runs["fsdp2"], runs[name]
-    fsdp2.assert_ok(STEPS)
-    odc.assert_ok(STEPS)
-    worst, _ = worst_difference(fsdp2.metrics, odc.metrics, STEPS, golden.CLOSE, required=golden.CLOSE)
-    print(f"{name}: worst relative difference from fsdp2 over {STEPS} steps {worst:.1e}")
+    runs[name].assert_ok(STEPS)
+    lines = golden.compare({name: runs[name].metrics}, "grpo_cpu", against="fsdp2")
+    assert not lines, "\n".join(lines)
