@@ -43,8 +43,8 @@ NOT_RUN = {
 # more steps), so that it is not run again here.
 RUN_ELSEWHERE = {
     r"odc-grpo-cpu( --steps 3)?": "tests/verl/test_main_ppo.py: odc-grpo-cpu --steps 3 with the KL loss (grpo_cli)",
-    r"odc-grpo-cpu --emulate \S+ --compare fsdp2,lockstep,odc --ranks \d+ --steps \d+": "tests/verl/"
-    "test_trainer_emulated.py: the same runs at 4 ranks, 2 steps",
+    r"odc-grpo-cpu --emulate \S+ --compare fsdp2,lockstep,odc --ranks \d+ --steps \d+( --slow-ranks \d+:\S+)?": "tests/"
+    "verl/test_trainer_emulated.py: the same runs at 4 ranks, 2 steps, the last rank 1.5x slow",
     r"odc-grpo-cpu --steps 2 trainer\.v1\.trainer_mode=separate_async .*": "tests/verl/test_trainer_modes.py: "
     "separate_async with these settings (and the KL loss) under fsdp2 and odc",
 }
@@ -62,7 +62,6 @@ SMALLER = {
 # further options for some forms of a command
 EMULATED = ["--time-scale", "0.02"]
 SWEEP = ["--sweep-ranks", "2", "--workload", "rl"]
-SLOW_RANK = ["--slow-ranks", "1:1.5"]  # a rank that exists among SMALLER's ranks
 TIMEOUT_S = 600
 
 
@@ -112,8 +111,6 @@ def to_run(command: str) -> list[str] | None:
         argv += EMULATED
     if "--sweep-ranks" in argv:
         argv += SWEEP
-    if "--slow-ranks" in argv:
-        argv += SLOW_RANK
     if argv[0] == "python":
         argv[0] = sys.executable
     return argv

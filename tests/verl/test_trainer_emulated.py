@@ -1,5 +1,6 @@
 """verl's real trainer at 4 ranks with layer compute emulated from the GPU fit (`odc-grpo-cpu --emulate
---compare fsdp2,lockstep,odc`), at test scale: tiny time scale, each real token standing for 64, 2 steps.
+--compare fsdp2,lockstep,odc --slow-ranks 3:1.5`), at test scale: tiny time scale, each real token standing for
+64, 2 steps.
 
 The three runs are verl's `main_ppo` in their own process trees; they see the same drawn response lengths
 and the same rollouts (same weights at step 1), so their first updates are the same math: fsdp2 over
@@ -30,6 +31,7 @@ RANKS = 4
 def emulated(tmp_path_factory):
     out = tmp_path_factory.mktemp("emulated")
     args = ["--ranks", str(RANKS), "--steps", "2", "--compare", ",".join(RUNS), "--emulate", FIT_FILE]
+    args += ["--slow-ranks", f"{RANKS - 1}:1.5"]  # docs/results.md's slow-rank series, here
     # 64 true tokens per real one (responses up to 256 tokens: long enough to answer, so rewards vary at
     # step 1); a time scale at which emulated compute is a small part of a step: the test checks the path
     args += ["--length-factor", "64", "--time-scale", "0.02", "--out", str(out)]
