@@ -39,9 +39,10 @@ initialized, at its own FSDP groups (comm/calibrate.py, a fraction of a second):
 (`odc_accumulate`) is chosen there, one log line says what was measured, a warning where ODC's transport
 is under half as fast, and the figures are reported with every update as `odc/transport/*`.
 Metrics per role: `odc/held_outside_bytes` (what ODC's regions held when last released, measured: 0),
-`odc/control_bytes`, `odc/extra_bytes_per_param` during a mini-batch, `odc/rebuild_s` (building and
-releasing since the last report, so per step); the reference model's, which verl keeps no metrics of,
-under the actor's as `odc/ref/*` (it lives in the actor's processes).
+`odc/control_bytes`, `odc/extra_bytes_per_param` during a mini-batch, `odc/forward_only_extra_bytes_per_param`
+during the model's last forward-only pass (its log-probs or values: the published copy alone, no accumulator),
+`odc/rebuild_s` (building and releasing since the last report, so per step); the reference model's, which
+verl keeps no metrics of, under the actor's as `odc/ref/*` (it lives in the actor's processes).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from ..balance.online_fit import MicroBatchTime, OnlineTimeFit
 from ..comm import ODCPeerFailedError, make_transport
 from ..comm.calibrate import TransportCalibration
 from ..fsdp import ODCConfig, apply_odc, shard_group
+from ..fsdp.odc import ODCMemory
 from ..moe import ExpertRouting, routing_metrics
 from .config import as_odc_config
 from .dispatch import STEPS_KEY
@@ -128,6 +130,7 @@ class _ODCEngineMixin:
         self.odc_calibration: TransportCalibration | None = None  # a trained model's, once initialized
         self._odc_phases = 0  # train/eval modes entered and not left
         self._odc_held_outside = 0  # ODC's bytes, control words aside, when it was last released
+        self._odc_forward_only_memory: ODCMemory | None = None  # in this engine's last forward-only pass
         self._odc_reported_s: dict[int, float] = {}  # build_s of each engine this one last reported
         _ENGINES.add(self)
         replicas = self.odc.mesh.num_replicas
@@ -243,6 +246,8 @@ class _ODCEngineMixin:
                 clock.stop()
                 outputs.append(meta)
         stats = self.odc.last_stats
+        if forward_only:
+            self._odc_forward_only_memory = self.odc.minibatch_memory
 
         output = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
         # What is reported per step, not per mini-batch, goes with the update's last one (verl marks it for its lr
@@ -389,6 +394,9 @@ class _ODCEngineMixin:
                 spent = engine.odc.build_s - self._odc_reported_s.get(id(engine), 0.0)
                 self._odc_reported_s[id(engine)] = engine.odc.build_s
                 values[f"odc/{prefix}rebuild_s"] = spent
+        if last:
+            forward = self._odc_forward_only_memory
+            values["odc/forward_only_extra_bytes_per_param"] = forward.extra_bytes_per_param if forward else 0.0
         return values
 
     def _odc_metrics(self, stats, num_micro_batches: int, last: bool) -> dict[str, float]:

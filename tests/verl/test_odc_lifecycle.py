@@ -89,6 +89,9 @@ def test_the_step_equals_fsdp2_and_the_metrics_report_odc_memory(runs):
     assert len(set(slots)) == 1, slots
     extra = 4 + 4 * (WORLD - 1) * slots[0]
     assert all(extra < v < extra + 1 for v in metrics["odc/extra_bytes_per_param"]), (slots, metrics)
+    # the actor's log-probs, a forward-only pass of a trained model: the published shards alone, no accumulator
+    forward = metrics["odc/forward_only_extra_bytes_per_param"]
+    assert len(forward) == WORLD and all(4 < v < 5 for v in forward), forward
     assert metrics["odc/ref/held_outside_bytes"] == [0.0] * WORLD, metrics["odc/ref/held_outside_bytes"]
     for key in ("odc/rebuild_s", "odc/ref/rebuild_s"):
         assert len(metrics[key]) == WORLD and all(v > 0 for v in metrics[key]), (key, metrics[key])
