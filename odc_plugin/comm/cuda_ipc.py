@@ -269,7 +269,7 @@ def _expandable_segments_on(device: torch.device) -> bool:
 def _shareable_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.cuda.MemPool]:
     """`numel` zeros that CUDA IPC can share, in a private pool of their own (freeing them frees the pool's
     whole segment): in a segment cudaMalloc made, not an expandable one. torch 2.11 cannot say whether
-    expandable segments are on, and its private pools use them too; so a 2 MiB probe finds out, and the
+    expandable segments are on, and its private pools use them too; so a probe (1 MiB) finds out, and the
     region is allocated once, with them off for that one allocation where they were on. Should the probe
     be wrong, the region is allocated again with them off."""
     expandable = _expandable_segments_on(device)
