@@ -44,7 +44,7 @@ NOT_RUN = {
 RUN_ELSEWHERE = {
     r"odc-grpo-cpu( --steps 3)?": "tests/verl/test_main_ppo.py: odc-grpo-cpu --steps 3 with the KL loss (grpo_cli)",
     r"odc-grpo-cpu --emulate \S+ --compare fsdp2,lockstep,odc --ranks \d+ --steps \d+( --slow-ranks \d+:\S+)?": "tests/"
-    "verl/test_trainer_emulated.py: the same runs at 2 ranks, 2 steps, the last rank 1.5x slow",
+    "verl/test_trainer_emulated.py: the same runs at 4 ranks, 2 steps, the last rank 1.5x slow",
     r"odc-grpo-cpu --steps 2 trainer\.v1\.trainer_mode=separate_async .*": "tests/verl/test_trainer_modes.py: "
     "separate_async with these settings (and the KL loss) under fsdp2 and odc",
 }

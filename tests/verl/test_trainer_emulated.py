@@ -1,6 +1,6 @@
 """verl's real trainer with layer compute emulated from the GPU fit (`odc-grpo-cpu --emulate --compare
-fsdp2,lockstep,odc --slow-ranks 1:1.5`), at test scale: 2 ranks, tiny time scale, each real token standing
-for 64, 2 steps.
+fsdp2,lockstep,odc --slow-ranks 3:1.5`), at test scale: 4 ranks (at 2 the 8 responses of step 1 all scored
+0, leaving no gradient to compare), tiny time scale, each real token standing for 64, 2 steps.
 
 The three runs are verl's `main_ppo` in their own process trees; they see the same drawn response lengths
 and the same rollouts (same weights at step 1), so their first updates are the same math: fsdp2 over
@@ -24,7 +24,7 @@ from odc_plugin.verl.cpu.emulation import load_passes
 ROOT = Path(__file__).resolve().parents[2]
 FIT_FILE = str(ROOT / "configs" / "cost_fit" / "Qwen2.5-7B-H100.json")
 RUNS = ("fsdp2", "lockstep", "odc")
-RANKS = 2
+RANKS = 4
 
 
 @pytest.fixture(scope="module")
