@@ -1,8 +1,7 @@
-"""ODC's FSDP2 code and the verl engine tests, under the torch and transformers that verl's GPU stack runs:
-verl 0.9.1's vllm, sglang and fsdp extras pin torch 2.11.0 and transformers 5.9.0, while the rest of the
-suite runs the `cpu` extra's torch 2.13.0, and `odc_plugin/fsdp/` reads FSDP2 internals that change between
-torch releases (`_fsdp_internals.py`, the one place that knows). ODC's transport runs under every one of
-these tests (shm); its own tests, and the rest of the suite, read no FSDP2 internals.
+"""ODC's FSDP2 code, its transports and the verl engine tests, under the torch and transformers that verl's
+GPU stack runs: verl 0.9.1's vllm, sglang and fsdp extras pin torch 2.11.0 and transformers 5.9.0, while
+the rest of the suite runs the `cpu` extra's torch 2.13.0, and `odc_plugin/fsdp/` reads FSDP2 internals
+that change between torch releases (`_fsdp_internals.py`, the one place that knows).
 
 The pins are read from verl's installed metadata. A virtual environment layered over the one the suite
 runs in (a virtual environment or the base interpreter: its site directories come after the pins, their
@@ -27,9 +26,16 @@ import pytest
 from tests.test_install import exact_versions, verl_requirements
 
 ROOT = Path(__file__).resolve().parents[1]
-# ODC on FSDP2, and the engine-level verl tests: verl's TrainingWorker and the odc engines on gloo ranks, no
-# trainer runs
-SUBSET = ("tests/fsdp", "tests/verl/test_odc_*.py", "tests/verl/test_*engine*.py")
+# the FSDP2 and transport tests, and the engine-level verl tests: verl's TrainingWorker and the odc engines
+# on gloo ranks, no trainer runs
+SUBSET = (
+    "tests/fsdp",
+    "tests/comm",
+    "tests/verl/test_odc_*.py",
+    "tests/verl/test_*engine*.py",
+    "tests/verl/test_harness_fsdp2.py",
+    "tests/verl/test_lb_mini_dispatch.py",
+)
 # left out, and why
 LEFT_OUT = {
     "tests/verl/test_odc_ulysses_engine.py": "Ulysses' all-to-alls on CPU need gloo's alltoall, which torch 2.11 "
