@@ -2,9 +2,9 @@
 (`VERL_USE_EXTERNAL_MODULES=tests.verl.stock_probe`), to observe or set up what the run's plugins find.
 
 - `ODC_PROBE_DIR=DIR`: right after verl defines its trainer and worker classes, record every member of
-  them, the content of their dispatch dicts and verl's trainer registry; then, every second until the
-  process ends, write DIR/<pid>.json: which of those differ from what verl defined, and the classes of
-  the trainers and workers the process holds (found through the garbage collector).
+  them, the content of their dispatch dicts and verl's trainer registry; then, every REPORT_S seconds until
+  the process ends, write DIR/<pid>.json: which of those differ from what verl defined, and the classes of
+  the trainers and workers the process has held (found through the garbage collector).
 - `ODC_PROBE_VERL_VERSION=X`: verl reports version X (`verl.__version__`).
 - `ODC_PROBE_CPU_ONLY=1`: verl runs on CPU without this project's plugin loaded (with
   VERL_USE_EXTERNAL_PLUGINS=none): only the VERL_PLATFORM=cpu machinery, `odc_plugin.verl.cpu`.
@@ -39,8 +39,14 @@ HELD = {
     "verl.workers.engine_workers": ("TrainingWorker", "ActorRolloutRefWorker"),
     "verl.trainer.ppo.v1.trainer_base": ("PPOTrainer",),
 }
+# finding the held instances walks every object of the process (0.2 s with verl imported, in each of a run's
+# ~10 processes): every second, that took most of the 2 cores and slowed the probed runs by 70%; the trainer
+# and its workers live for most of the run, tens of seconds, so a look every few seconds sees them
+REPORT_S = 5.0
 
 _recorded: dict[str, object] = {}
+# the classes of the held instances seen so far: the last report may come after the run released them
+_held: set[type] = set()
 
 
 def _members(module: str) -> dict[str, object]:
@@ -73,14 +79,14 @@ def _report() -> dict:
     changed = sorted(k for k, v in _recorded.items() if k in current and current[k] != v and current[k] is not v)
     added = sorted(k for k in current if k not in _recorded)
     held_types = tuple(getattr(sys.modules[m], n) for m, names in HELD.items() if m in sys.modules for n in names)
-    held = {type(o) for o in gc.get_objects() if held_types and isinstance(o, held_types)}
+    _held.update(type(o) for o in gc.get_objects() if held_types and isinstance(o, held_types))
     return {
         "pid": os.getpid(),
         "argv": sys.argv[:3],
         "recorded": sorted(_recorded),
         "changed": changed,
         "added": added,
-        "held": sorted(f"{t.__module__}.{t.__qualname__}" for t in held),
+        "held": sorted(f"{t.__module__}.{t.__qualname__}" for t in _held),
     }
 
 
@@ -91,7 +97,7 @@ def _watch() -> None:
             with open(path + ".tmp", "w") as fp:
                 json.dump(_report(), fp)
             os.replace(path + ".tmp", path)
-        time.sleep(1.0)
+        time.sleep(REPORT_S)
 
 
 if os.environ.get("ODC_PROBE_VERL_VERSION"):
