@@ -9,7 +9,8 @@ run of test_main_ppo, which checks it against its file), one mini-batch per step
 sizes; and `grpo_cpu_example`, the batching of verl's own example scripts
 (examples/grpo_trainer/run_qwen2-7b_math.sh: fixed micro-batch sizes, four mini-batches per step, the
 low_var_kl KL loss, gradient checkpointing, the reference model's parameters offloaded) with rank 1
-slowed down so that LB-Mini's shares are uneven (the first row of test_verl_settings, which checks it).
+slowed down so that LB-Mini's shares are uneven (the first row of test_verl_settings, whose odc run is
+compared with this file's fsdp2 run: its fsdp2 run is not made again there).
 Rewards and lengths are compared exactly (sampling is seeded; they change only when the weights that
 sample do), losses and gradient norms to RTOL: float32 sums taken in another order differ by up to 6e-6
 here (fsdp2 against odc in one run: the KL loss of step 2; 7e-5 on an earlier asset build), while a
@@ -85,7 +86,18 @@ def golden_metrics(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, dict
     }
 
 
-def differences(got: dict, want: dict, rtol: float = RTOL) -> list[str]:
+def rtol(key: str) -> float:
+    """The relative tolerance of metric `key` against a golden file, which may have been made on another CPU."""
+    return max(RTOL, RTOL_BY_KEY.get(key, 0.0))
+
+
+def stored_run(config: str, strategy: str) -> dict[int, dict]:
+    """The golden file's metrics of `strategy`'s run of `config`, by step, as read_metrics gives a run's."""
+    stored = json.loads(golden_file(config).read_text())["metrics"][strategy]
+    return {int(step): metrics for step, metrics in stored.items()}
+
+
+def differences(got: dict, want: dict) -> list[str]:
     """What differs between two golden_metrics, one line each; empty when they agree."""
     lines = []
     for strategy in sorted(set(got) | set(want)):
@@ -99,11 +111,7 @@ def differences(got: dict, want: dict, rtol: float = RTOL) -> list[str]:
                     lines.append(
                         f"{strategy} step {step} {key}: {a.get(key, 'missing')} vs golden {b.get(key, 'missing')}"
                     )
-                elif (
-                    key in EXACT
-                    and a[key] != b[key]
-                    or not math.isclose(a[key], b[key], rel_tol=max(rtol, RTOL_BY_KEY.get(key, 0.0)))
-                ):
+                elif key in EXACT and a[key] != b[key] or not math.isclose(a[key], b[key], rel_tol=rtol(key)):
                     lines.append(
                         f"{strategy} step {step} {key}: {a[key]!r} vs golden {b[key]!r} "
                         f"(rel {abs(a[key] - b[key]) / max(abs(b[key]), 1e-30):.2g})"

@@ -287,15 +287,8 @@ def test_resume_a_checkpoint_under_the_other_strategy(ppo, saved_by, resumed_by)
 
 
 # ---------------------------------------------------------------------------------------------
-# The models RL users train: a mixture of experts, LoRA adapters synced unmerged
+# The models RL users train: a mixture of experts (LoRA adapters: test_verl_settings' GSPO row)
 # ---------------------------------------------------------------------------------------------
-
-LORA = [
-    "actor_rollout_ref.model.lora_rank=8",
-    "actor_rollout_ref.model.lora_alpha=16",
-    "actor_rollout_ref.model.target_modules=all-linear",
-    "actor_rollout_ref.model.lora.merge=False",
-]
 
 
 @pytest.fixture(scope="module")
@@ -333,16 +326,6 @@ def test_ppo_moe_actor_and_critic_first_step_equals_fsdp2_and_ranks_route_differ
     loads = [odc[f"actor/odc/moe/expert_load_max_{rank}"] for rank in range(RANKS)]
     assert all(1 < load <= 4 for load in loads) and loads[0] != loads[1], loads
     print({k: v for k, v in odc.items() if "/moe/" in k})
-
-
-@pytest.mark.xdist_group("main_ppo-lora")
-def test_grpo_lora_unmerged_first_step_equals_fsdp2(out, assets):
-    """LoRA with merge=False: the rollout gets the base weights once, then the adapter every step, and
-    generates with it; step 2's rollouts come from the adapter step 1 trained."""
-    runs = {s: train(out, assets, "grpo-lora", s, 2, LORA) for s in grpo.STRATEGIES}
-    _first_step_agrees(runs)
-    fsdp2, odc = runs["fsdp2"].metrics[2], runs["odc"].metrics[2]
-    assert fsdp2["response_length/mean"] == odc["response_length/mean"]
 
 
 ULYSSES = [
@@ -416,7 +399,7 @@ def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
                 proc.kill()
                 hit_at = time.monotonic()
                 break
-        time.sleep(0.005)
+        time.sleep(0.05)  # an update lasts seconds; each look walks every process of the machine
     thread.join()
     assert hit_at is not None, "no actor update was seen"
     return result["run"], time.monotonic() - hit_at

@@ -1,13 +1,15 @@
 """verl's own configurations under `strategy=odc`: the settings of verl's GRPO and PPO example scripts
 (examples/grpo_trainer/, examples/ppo_trainer/ in verl's repository) and policy losses of verl's registry,
-each trained by verl's real trainer (`main_ppo`, 2 CPU ranks, 3 steps) under fsdp2 and under odc from the
+each trained by verl's real trainer (`main_ppo`, 2 CPU ranks, 2 steps) under fsdp2 and under odc from the
 same weights on the same rollouts, and compared step by step: the same rewards and lengths, and the actor's
 (and critic's) gradient norm, policy loss, entropy, KL loss and value loss to the golden metrics' tolerance.
+The row of verl's example batching compares its odc run with the fsdp2 run of its golden file
+(tests/verl/golden/grpo_cpu_example.json, 3 steps) instead of making that run again.
 A setting odc cannot train as fsdp2 does is refused by odc at start with a one-line error instead (the loss
 probe's, odc_plugin/verl/loss_probe.py), and that is a row here too: the line of the check the trainer runs
 at start, on the run's own configuration, and one such row run through the trainer.
 
-Settings that do not interact share a row, to keep the CI budget: about 1.5 minutes a row. Each row's
+Settings that do not interact share a row, to keep the CI budget: about 3 minutes a row. Each row's
 worst relative difference is written to `verl_settings.md` in the run's temporary directory (printed
 with `-s`), the table README shows.
 """
@@ -25,7 +27,7 @@ from odc_plugin.verl.dispatch import check_losses
 from tests.verl import golden
 from tests.verl.trainer_runs import RANKS, train, worst_difference
 
-STEPS = 3
+STEPS = 2
 ACTOR = "actor_rollout_ref.actor"
 # what training computed: compared to the golden metrics' tolerance (the rollouts, golden.EXACT, exactly)
 COMPARED = (
@@ -36,6 +38,20 @@ COMPARED = (
     "critic/vf_loss",
     "critic/grad_norm",
     "critic/values/mean",
+)
+# PPO with a critic (examples/ppo_trainer/run_deepseek7b_llm.sh), the critic on fixed micro-batch sizes, which
+# verl requires of it once the actor's are fixed (the critic's use_dynamic_bsz follows the actor's)
+PPO_CRITIC = (
+    "algorithm.adv_estimator=gae",
+    "critic.optim.lr=1e-4",
+    "critic.use_dynamic_bsz=False",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "critic.ppo_mini_batch_size=4",
+)
+# each sample in a micro-batch of its own, as fsdp2 cuts its own, whatever rank runs it: a loss that depends on
+# which samples share a micro-batch trains as under fsdp2
+ONE_SAMPLE_MICRO_BATCHES = tuple(
+    o.replace("micro_batch_size_per_gpu=2", "micro_batch_size_per_gpu=1") for o in golden.FIXED_MICRO_BATCHES
 )
 
 
@@ -48,6 +64,7 @@ class Setting:
     refused: bool = False  # odc refuses the row at start, with the line its loss probe gives
     odc_run: str = "odc"  # the run compared with fsdp2 (grpo.RUNS): odc, or odc with its options
     accumulate: str | None = None  # the accumulate method forced on the odc engines (odc_accumulate), if any
+    golden: str | None = None  # fsdp2's run is this golden configuration's (tests/verl/golden/), not a new one
 
 
 SETTINGS = (
@@ -58,11 +75,18 @@ SETTINGS = (
         tuple(golden.EXAMPLE_BATCHING),
         golden.EXAMPLE_SLOW_RANKS,
         uneven=True,
+        golden="grpo_cpu_example",
     ),
     Setting(
         "2 epochs, shuffled; entropy_coeff 0.01; clip ratios 0.1 / 0.15; GSPO (policy_loss.loss_mode=gspo) with "
-        "seq-mean-token-mean; 2 mini-batches; odc's accumulate method forced to slots (odc_accumulate=slots)",
+        "seq-mean-token-mean; 2 mini-batches; odc's accumulate method forced to slots (odc_accumulate=slots); "
+        "LoRA adapters (rank 8, all linear layers) synced unmerged: the rollout gets the base weights once, then "
+        "the adapter every step, and generates step 2 with the one step 1 trained",
         (
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.model.target_modules=all-linear",
+            "actor_rollout_ref.model.lora.merge=False",
             f"{ACTOR}.policy_loss.loss_mode=gspo",
             f"{ACTOR}.ppo_mini_batch_size=4",
             f"{ACTOR}.ppo_epochs=2",
@@ -101,11 +125,7 @@ SETTINGS = (
         "with seq-mean-token-sum-norm and loss_scale_factor; the critic's loss seq-mean-token-sum; the actor on "
         "FSDP2's own CPU offload (offload_policy); 2 mini-batches",
         (
-            "algorithm.adv_estimator=gae",
-            "critic.optim.lr=1e-4",
-            "critic.use_dynamic_bsz=False",
-            "critic.ppo_micro_batch_size_per_gpu=2",
-            "critic.ppo_mini_batch_size=4",
+            *PPO_CRITIC,
             "critic.loss_agg_mode=seq-mean-token-sum",
             *golden.FIXED_MICRO_BATCHES,
             f"{ACTOR}.ppo_mini_batch_size=4",
@@ -122,13 +142,28 @@ SETTINGS = (
         (
             f"{ACTOR}.policy_loss.loss_mode=geo_mean",
             f"{ACTOR}.ppo_mini_batch_size=2",
-            *(
-                o.replace("micro_batch_size_per_gpu=2", "micro_batch_size_per_gpu=1")
-                for o in golden.FIXED_MICRO_BATCHES
-            ),
+            *ONE_SAMPLE_MICRO_BATCHES,
         ),
         golden.EXAMPLE_SLOW_RANKS,
         uneven=True,
+    ),
+    Setting(
+        "Clip-Cov (policy_loss.loss_mode=clip_cov) under LB-Mini with a fixed micro-batch size of 1 (GRPO: a lone "
+        "response's covariance is 0, so it clips nothing; with GAE's advantages it is refused); 2 mini-batches",
+        (f"{ACTOR}.policy_loss.loss_mode=clip_cov", f"{ACTOR}.ppo_mini_batch_size=4", *ONE_SAMPLE_MICRO_BATCHES),
+    ),
+    Setting(
+        # GAE's per-token advantages: with GRPO's, one per response, a lone response's covariance is 0 up to
+        # rounding, and the token KL-Cov picks is whichever rounding favours (fsdp2 and odc agreed at step 1, and
+        # picked other tokens at step 2, their weights 1e-7 apart: the policy loss 0.4% apart)
+        "KL-Cov (policy_loss.loss_mode=kl_cov) under LB-Mini with a fixed micro-batch size of 1, PPO with a critic "
+        "(GAE's per-token advantages); 2 mini-batches",
+        (
+            *PPO_CRITIC,
+            f"{ACTOR}.policy_loss.loss_mode=kl_cov",
+            f"{ACTOR}.ppo_mini_batch_size=4",
+            *ONE_SAMPLE_MICRO_BATCHES,
+        ),
     ),
     Setting(
         "seq-mean-token-sum-norm without loss_scale_factor (each micro-batch's loss over its own padded length)",
@@ -164,7 +199,7 @@ def table(tmp_path_factory):
     path = tmp_path_factory.mktemp("verl_settings") / "verl_settings.md"
     yield rows
     path.write_text(
-        "| setting | same as fsdp2 (worst relative difference over 3 steps) | refused (the message) |\n"
+        "| setting | same as fsdp2 (worst relative difference, step by step) | refused (the message) |\n"
         "|---|---|---|\n" + "".join(f"{row}\n" for row in rows)
     )
     print(f"\n{path}:\n{path.read_text()}")
@@ -183,25 +218,27 @@ def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_f
     if setting.refused:
         table.append(f"| {setting.name} | | `{_refusal(assets, out, setting.overrides)}` |")
         return
-    runs = {
-        s: train(out, assets, s, s, STEPS, setting.overrides, slow_ranks=setting.slow_ranks)
-        for s in ("fsdp2", setting.odc_run)
-    }
-    for run in runs.values():
-        run.assert_ok(STEPS)
-    worst, where = worst_difference(
-        runs["fsdp2"].metrics, runs[setting.odc_run].metrics, STEPS, COMPARED, required=("actor/grad_norm",)
-    )
-    odc = runs[setting.odc_run].metrics
+    if setting.golden is None:
+        steps, rtol = STEPS, lambda _: golden.RTOL
+        fsdp2 = train(out, assets, "fsdp2", "fsdp2", steps, setting.overrides, slow_ranks=setting.slow_ranks)
+        fsdp2.assert_ok(steps)
+        reference = fsdp2.metrics
+    else:  # what the golden file's fsdp2 run computed, to the golden files' tolerance across machines
+        reference, rtol = golden.stored_run(setting.golden, "fsdp2"), golden.rtol
+        steps = len(reference)
+    run = train(out, assets, setting.odc_run, setting.odc_run, steps, setting.overrides, slow_ranks=setting.slow_ranks)
+    run.assert_ok(steps)
+    odc = run.metrics
+    if setting.golden is not None:
+        lines = golden.compare({setting.odc_run: odc}, setting.golden, against="fsdp2")
+        assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
+    worst, where = worst_difference(reference, odc, steps, COMPARED, required=("actor/grad_norm",), rtol=rtol)
     if setting.uneven:
         uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] < m["odc_balance/samples_max"]]
         assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
     if setting.accumulate is not None:
         chosen = f"actor/odc/transport/accumulate_{setting.accumulate}_chosen"
         assert all(m[chosen] == 1.0 for m in odc.values()), {s: m.get(chosen) for s, m in odc.items()}
-    if setting.overrides == tuple(golden.EXAMPLE_BATCHING):
-        lines = golden.compare({s: r.metrics for s, r in runs.items()}, "grpo_cpu_example")
-        assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
     table.append(f"| {setting.name} | {worst:.1e} ({where}) | |")
 
 
