@@ -4,13 +4,15 @@ change that moves fsdp2 and odc the same way (a verl patch, the CPU rollout, the
     python -m tests.verl.golden [--config NAME] [--out DIR]   # run them and refresh golden/<NAME>.json
     python -m tests.verl.golden --config NAME --check DIR     # compare a finished run's metrics with its file
 
-Two configurations (CONFIGS): `grpo_cpu`, `odc-grpo-cpu --steps 3` with the KL loss on (the `grpo_cli`
-run of test_main_ppo, which checks it against its file), one mini-batch per step and dynamic batch
-sizes; and `grpo_cpu_example`, the batching of verl's own example scripts
+The configurations (`configs()`): `grpo_cpu`, `odc-grpo-cpu --steps 3` with the KL loss on (the
+`grpo_cli` run of test_main_ppo, which checks it against its file), one mini-batch per step and dynamic
+batch sizes; `grpo_cpu_example`, the batching of verl's own example scripts
 (examples/grpo_trainer/run_qwen2-7b_math.sh: fixed micro-batch sizes, four mini-batches per step, the
 low_var_kl KL loss, gradient checkpointing, the reference model's parameters offloaded) with rank 1
-slowed down so that LB-Mini's shares are uneven (the first row of test_verl_settings, whose odc run is
-compared with this file's fsdp2 run: its fsdp2 run is not made again there).
+slowed down so that LB-Mini's shares are uneven; and the other rows of test_verl_settings. Each of those
+rows runs odc only and compares it with its file's fsdp2 run, step by step: verl's trainer under fsdp2,
+run once when the file was made, here as test_main_ppo's grpo_cli checks for its own configuration that
+the file still is what a fresh fsdp2 run computes.
 Rewards and lengths are compared exactly (sampling is seeded; they change only when the weights that
 sample do), losses and gradient norms to RTOL: float32 sums taken in another order differ by up to 6e-6
 here (fsdp2 against odc in one run: the KL loss of step 2; 7e-5 on an earlier asset build), while a
@@ -35,7 +37,7 @@ from pathlib import Path
 
 from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu.assets import ensure_assets, model_fingerprint
-from odc_plugin.verl.cpu.grpo import STRATEGIES
+from odc_plugin.verl.cpu.grpo import RUNS
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
@@ -71,6 +73,8 @@ CONFIGS = {
 }
 EXACT = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
 CLOSE = ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
+# and, in runs with a critic
+CRITIC = ("critic/vf_loss", "critic/grad_norm", "critic/values/mean")
 RTOL = 1e-3
 # The KL loss is a mean of differences of nearly equal log-probs, so the CPU's kernels move it more: built on
 # an Intel Xeon, the example batching's step-1 KL loss came out 0.11% lower on an AMD EPYC (every other
@@ -82,7 +86,8 @@ LIBRARIES = ("torch", "transformers", "tokenizers", "verl")
 def golden_metrics(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, dict[str, float]]]:
     """The compared metrics of each strategy's steps, as the golden file holds them."""
     return {
-        s: {str(step): {k: m[k] for k in EXACT + CLOSE if k in m} for step, m in sorted(runs[s].items())} for s in runs
+        s: {str(step): {k: m[k] for k in EXACT + CLOSE + CRITIC if k in m} for step, m in sorted(runs[s].items())}
+        for s in runs
     }
 
 
@@ -129,12 +134,19 @@ def golden_file(config: str) -> Path:
     return GOLDEN_DIR / f"{config}.json"
 
 
-def compare(runs: dict[str, dict[int, dict]], config: str = "grpo_cpu", against: str | None = None) -> list[str]:
+def compare(
+    runs: dict[str, dict[int, dict]], config: str = "grpo_cpu", against: str | None = None, steps: int | None = None
+) -> list[str]:
     """What differs between a finished run of `config` and its golden file, one line each; empty when they
-    agree. With `against` (a strategy), every run is compared with the golden file's run of that strategy."""
+    agree. With `against` (a strategy), every run is compared with the golden file's run of that strategy;
+    with `steps`, runs of that many steps with the file's first ones."""
     golden = json.loads(golden_file(config).read_text())
     if against is not None:
         golden["metrics"] = {name: golden["metrics"][against] for name in runs}
+    if steps is not None:
+        golden["metrics"] = {
+            s: {k: m for k, m in by_step.items() if int(k) <= steps} for s, by_step in golden["metrics"].items()
+        }
     lines = []
     model_dir = ensure_assets(log=lambda _: None).model_dir
     if golden.get("assets") != (fingerprint := model_fingerprint(model_dir)):
@@ -150,10 +162,18 @@ def compare(runs: dict[str, dict[int, dict]], config: str = "grpo_cpu", against:
     return lines + metrics
 
 
+def configs() -> dict[str, list[str]]:
+    """Every golden configuration by name, odc-grpo-cpu's arguments: CONFIGS, and the rows of verl's settings
+    (tests/verl/test_verl_settings.py), which define theirs."""
+    from tests.verl.test_verl_settings import golden_configs
+
+    return {**CONFIGS, **golden_configs()}
+
+
 def read_run(out_dir: str) -> dict[str, dict[int, dict]]:
     return {
         s: read_metrics(os.path.join(out_dir, f"{s}.jsonl"))
-        for s in STRATEGIES
+        for s in RUNS
         if os.path.exists(os.path.join(out_dir, f"{s}.jsonl"))
     }
 
@@ -162,7 +182,7 @@ def refresh(config: str, out_dir: str) -> int:
     """Run `config` and rewrite its golden file; prints what changed."""
     path = golden_file(config)
     old = json.loads(path.read_text())["metrics"] if path.exists() else {}
-    args = CONFIGS[config]
+    args = configs()[config]
     proc = subprocess.run([sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *args, "--out", out_dir])
     if proc.returncode:
         print(f"the run failed (exit {proc.returncode}); {path} left as it was")
@@ -190,7 +210,7 @@ def refresh(config: str, out_dir: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.verl.golden", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", choices=CONFIGS, help="which configuration (default: every one)")
+    parser.add_argument("--config", choices=configs(), help="which configuration (default: every one)")
     parser.add_argument("--out", default="golden_run", help="where the refreshing runs write (default ./golden_run)")
     parser.add_argument("--check", metavar="DIR", help="compare the run of --config in DIR with its golden file")
     args = parser.parse_args(argv)
@@ -200,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = compare(read_run(args.check), args.config)
         print("\n".join(lines) if lines else f"{args.check} matches {golden_file(args.config)}")
         return 1 if lines else 0
-    for config in [args.config] if args.config else list(CONFIGS):
+    for config in [args.config] if args.config else list(configs()):
         if rc := refresh(config, os.path.join(args.out, config)):
             return rc
     return 0

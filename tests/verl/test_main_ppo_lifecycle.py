@@ -1,11 +1,11 @@
-"""ODC's memory follows verl's lifecycle in verl's real trainer (`main_ppo` as `odc-grpo-cpu --steps 3` runs
+"""ODC's memory follows verl's lifecycle in verl's real trainer (`main_ppo` as `odc-grpo-cpu --steps 2` runs
 it with the KL loss, so the reference model runs: 2 CPU ranks, the golden metrics' grpo_cpu configuration).
 
 While the rollout generates, ODC holds no region but its transports' control words (a few KiB), seen from
 outside the engines: at every generate request the rollout's server reads which of ODC's shared-memory
 files the run's other processes map (tests/verl/rollout_watch.py). With the actor's parameter and
 optimizer offload and the reference model's parameter offload on, and with them off; every step equals the
-golden fsdp2 run of that configuration (tests/verl/golden.py: rewards and lengths exactly, losses, gradient
+golden fsdp2 run's same step of that configuration (tests/verl/golden.py: rewards and lengths exactly, losses, gradient
 norm and entropy to its tolerance), which test_main_ppo checks against a fresh fsdp2 run. On CPU offloading
 moves nothing (the parameters already live there), so the run with offload has the metrics of the run
 without. The runs' own metrics report what ODC held outside training (0), its extra bytes during a
@@ -26,7 +26,7 @@ from tests.verl import golden
 from tests.verl.rollout_watch import WATCH_ENV
 from tests.verl.trainer_runs import train
 
-STEPS = 3
+STEPS = 2
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "+ray_kwargs.ray_init.runtime_env.env_vars"
 OFFLOAD = [
@@ -80,5 +80,5 @@ def test_while_the_rollout_generates_odc_holds_only_its_control_words(runs, name
 @pytest.mark.parametrize("name", ["offload", "no_offload"])
 def test_every_step_equals_fsdp2(runs, name):
     runs[name].assert_ok(STEPS)
-    lines = golden.compare({name: runs[name].metrics}, "grpo_cpu", against="fsdp2")
+    lines = golden.compare({name: runs[name].metrics}, "grpo_cpu", against="fsdp2", steps=STEPS)
     assert not lines, "\n".join(lines)

@@ -1,21 +1,22 @@
 """verl's own configurations under `strategy=odc`: the settings of verl's GRPO and PPO example scripts
 (examples/grpo_trainer/, examples/ppo_trainer/ in verl's repository) and policy losses of verl's registry,
-each trained by verl's real trainer (`main_ppo`, 2 CPU ranks, 2 steps) under fsdp2 and under odc from the
-same weights on the same rollouts, and compared step by step: the same rewards and lengths, and the actor's
-(and critic's) gradient norm, policy loss, entropy, KL loss and value loss to the golden metrics' tolerance.
-The row of verl's example batching compares its odc run with the fsdp2 run of its golden file
-(tests/verl/golden/grpo_cpu_example.json, 3 steps) instead of making that run again.
+each trained by verl's real trainer (`main_ppo`, 2 CPU ranks, 2 steps) under odc and compared step by step
+with the same trainer's fsdp2 run from the same weights, on the same rollouts: the same rewards and lengths,
+and the actor's (and critic's) gradient norm, policy loss, entropy, KL loss and value loss to the golden
+metrics' tolerance. Each row is a golden configuration (tests/verl/golden.py): its fsdp2 run is the one its
+golden file holds (`python -m tests.verl.golden --config NAME` makes it again), so a row runs odc alone.
 A setting odc cannot train as fsdp2 does is refused by odc at start with a one-line error instead (the loss
 probe's, odc_plugin/verl/loss_probe.py), and that is a row here too: the line of the check the trainer runs
 at start, on the run's own configuration, and one such row run through the trainer.
 
-Settings that do not interact share a row, to keep the CI budget: about 3 minutes a row. Each row's
+Settings that do not interact share a row, to keep the CI budget: about 2 minutes a row. Each row's
 worst relative difference is written to `verl_settings.md` in the run's temporary directory (printed
 with `-s`), the table README shows.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -28,17 +29,10 @@ from tests.verl import golden
 from tests.verl.trainer_runs import RANKS, train, worst_difference
 
 STEPS = 2
+REFRESH = "python -m tests.verl.golden --config "
 ACTOR = "actor_rollout_ref.actor"
 # what training computed: compared to the golden metrics' tolerance (the rollouts, golden.EXACT, exactly)
-COMPARED = (
-    "actor/grad_norm",
-    "actor/pg_loss",
-    "actor/entropy",
-    "actor/kl_loss",
-    "critic/vf_loss",
-    "critic/grad_norm",
-    "critic/values/mean",
-)
+COMPARED = golden.CLOSE + golden.CRITIC
 # PPO with a critic (examples/ppo_trainer/run_deepseek7b_llm.sh), the critic on fixed micro-batch sizes, which
 # verl requires of it once the actor's are fixed (the critic's use_dynamic_bsz follows the actor's)
 PPO_CRITIC = (
@@ -64,7 +58,8 @@ class Setting:
     refused: bool = False  # odc refuses the row at start, with the line its loss probe gives
     odc_run: str = "odc"  # the run compared with fsdp2 (grpo.RUNS): odc, or odc with its options
     accumulate: str | None = None  # the accumulate method forced on the odc engines (odc_accumulate), if any
-    golden: str | None = None  # fsdp2's run is this golden configuration's (tests/verl/golden/), not a new one
+    golden: str | None = None  # the golden configuration of a row that trains: tests/verl/golden/<golden>.json
+    steps: int = STEPS  # the training steps its runs make
 
 
 SETTINGS = (
@@ -98,6 +93,7 @@ SETTINGS = (
             f"{ACTOR}.fsdp_config.odc_accumulate=slots",
         ),
         accumulate="slots",
+        golden="settings_gspo_lora",
     ),
     Setting(
         "GMPO (policy_loss.loss_mode=geo_mean: a mean over the micro-batch's sequences) with odc_balancer=lb_micro "
@@ -118,6 +114,7 @@ SETTINGS = (
         ),
         odc_run="odc_lb_micro",
         accumulate="direct",
+        golden="settings_gmpo_lb_micro",
     ),
     Setting(
         "PPO with a critic (run_deepseek7b_llm.sh), actor on fixed micro-batch sizes (the critic's keys for them set "
@@ -134,6 +131,7 @@ SETTINGS = (
             f"{ACTOR}.loss_scale_factor=64",
             f"{ACTOR}.fsdp_config.offload_policy=True",
         ),
+        golden="settings_ppo_cispo",
     ),
     Setting(
         "GMPO (policy_loss.loss_mode=geo_mean) under LB-Mini with a fixed micro-batch size of 1: each sample in a "
@@ -146,24 +144,31 @@ SETTINGS = (
         ),
         golden.EXAMPLE_SLOW_RANKS,
         uneven=True,
+        golden="settings_gmpo_one_sample",
     ),
     Setting(
         "Clip-Cov (policy_loss.loss_mode=clip_cov) under LB-Mini with a fixed micro-batch size of 1 (GRPO: a lone "
         "response's covariance is 0, so it clips nothing; with GAE's advantages it is refused); 2 mini-batches",
         (f"{ACTOR}.policy_loss.loss_mode=clip_cov", f"{ACTOR}.ppo_mini_batch_size=4", *ONE_SAMPLE_MICRO_BATCHES),
+        golden="settings_clip_cov",
     ),
     Setting(
         # GAE's per-token advantages: with GRPO's, one per response, a lone response's covariance is 0 up to
         # rounding, and the token KL-Cov picks is whichever rounding favours (fsdp2 and odc agreed at step 1, and
-        # picked other tokens at step 2, their weights 1e-7 apart: the policy loss 0.4% apart)
+        # picked other tokens at step 2, their weights 1e-7 apart: the policy loss 0.4% apart). With GAE's too the
+        # one token a micro-batch it penalizes can be a near tie: from step 2, where two runs' weights differ by
+        # rounding (odc's or fsdp2's on another number of ranks alike), odc's gradient norm came 2e-5 and 1.8e-3
+        # from fsdp2's in two runs; so one step, from the same weights
         "KL-Cov (policy_loss.loss_mode=kl_cov) under LB-Mini with a fixed micro-batch size of 1, PPO with a critic "
-        "(GAE's per-token advantages); 2 mini-batches",
+        "(GAE's per-token advantages); 2 mini-batches; 1 step",
         (
             *PPO_CRITIC,
             f"{ACTOR}.policy_loss.loss_mode=kl_cov",
             f"{ACTOR}.ppo_mini_batch_size=4",
             *ONE_SAMPLE_MICRO_BATCHES,
         ),
+        golden="settings_kl_cov",
+        steps=1,
     ),
     Setting(
         "seq-mean-token-sum-norm without loss_scale_factor (each micro-batch's loss over its own padded length)",
@@ -176,6 +181,23 @@ SETTINGS = (
         refused=True,
     ),
 )
+
+
+def golden_configs() -> dict[str, list[str]]:
+    """The golden configurations of the rows that train (but the one golden.CONFIGS holds): odc-grpo-cpu's
+    arguments, its run of fsdp2 and of the row's odc run."""
+    return {
+        s.golden: [
+            "--steps",
+            str(s.steps),
+            "--compare",
+            f"fsdp2,{s.odc_run}",
+            *(["--slow-ranks", s.slow_ranks] if s.slow_ranks else []),
+            *s.overrides,
+        ]
+        for s in SETTINGS
+        if s.golden is not None and s.golden not in golden.CONFIGS
+    }
 
 
 def _refusal(assets, out, overrides) -> str:
@@ -218,21 +240,14 @@ def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_f
     if setting.refused:
         table.append(f"| {setting.name} | | `{_refusal(assets, out, setting.overrides)}` |")
         return
-    if setting.golden is None:
-        steps, rtol = STEPS, lambda _: golden.RTOL
-        fsdp2 = train(out, assets, "fsdp2", "fsdp2", steps, setting.overrides, slow_ranks=setting.slow_ranks)
-        fsdp2.assert_ok(steps)
-        reference = fsdp2.metrics
-    else:  # what the golden file's fsdp2 run computed, to the golden files' tolerance across machines
-        reference, rtol = golden.stored_run(setting.golden, "fsdp2"), golden.rtol
-        steps = len(reference)
+    reference = golden.stored_run(setting.golden, "fsdp2")
+    steps = len(reference)
     run = train(out, assets, setting.odc_run, setting.odc_run, steps, setting.overrides, slow_ranks=setting.slow_ranks)
     run.assert_ok(steps)
     odc = run.metrics
-    if setting.golden is not None:
-        lines = golden.compare({setting.odc_run: odc}, setting.golden, against="fsdp2")
-        assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
-    worst, where = worst_difference(reference, odc, steps, COMPARED, required=("actor/grad_norm",), rtol=rtol)
+    lines = golden.compare({setting.odc_run: odc}, setting.golden, against="fsdp2")
+    assert not lines, "\n".join([*lines, f"if the change is meant to move them: {REFRESH}{setting.golden}"])
+    worst, where = worst_difference(reference, odc, steps, COMPARED, ("actor/grad_norm",), rtol=golden.rtol)
     if setting.uneven:
         uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] < m["odc_balance/samples_max"]]
         assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
@@ -254,3 +269,11 @@ def test_the_trainer_refuses_a_refused_setting_at_start_with_that_line(assets, t
     # refused at start: before any worker built an engine
     assert "odc: ODCEngine" not in run.log()
     assert not grpo.ray_processes(run.result.ray_dir)
+
+
+def test_every_row_that_trains_has_the_golden_file_of_its_configuration():
+    """A row's overrides changed without its file made again would compare odc with another run's fsdp2."""
+    for name, args in golden.configs().items():
+        made_by = json.loads(golden.golden_file(name).read_text())["command"]
+        assert made_by == f"odc-grpo-cpu {' '.join(args)}", f"{name}: made by {made_by}; run {REFRESH}{name}"
+    assert all(s.refused or s.golden in golden.configs() for s in SETTINGS)
