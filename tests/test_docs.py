@@ -1,4 +1,4 @@
-"""Every command README.md and docs/ show in a fenced block runs as written, at a small size.
+"""Every command README.md, CONTRIBUTING.md and docs/ show in a fenced block runs as written, at a small size.
 
 A block is a command block unless it is marked with a language other than a shell's (```python is a
 snippet). Its lines are commands (a trailing backslash continues one, `#` starts a comment, `&&` chains
@@ -22,12 +22,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "examples" / "README.md",
+]
 SHELLS = ("", "bash", "sh", "shell", "console")
 
 # A command's start -> why it is not run here.
 NOT_RUN = {
     "pip install": "installs into the environment the tests run in; CI's first step runs exactly this",
+    "python3 -m venv": "makes the virtual environment the commands after it run in; .ci/run runs the tests in one",
+    ". .venv/bin/activate": "enters that virtual environment (a shell's own command)",
+    "odc-check": "needs GPUs; benchmarks/gpu_check.py runs it, and tests/check runs its parts on CPU",
     "python -m pytest": "the test suite itself, of which this test is part",
     "python -m verl.trainer.main_ppo": "a user's own config on GPUs with vLLM; on CPU the same trainer runs "
     "through odc-grpo-cpu, below and in tests/verl",
