@@ -1,33 +1,24 @@
-"""One command for a lent GPU machine: every check of docs/gpu.md's checklist, one report file.
+"""The GPU check: `odc-check` and the GPU tests and benchmarks on this machine, one report file.
 
-    python3 benchmarks/gpu_check.py                  # there, from the repository root, `.whl` carried along
-    python3 benchmarks/gpu_check.py --only probe streams
+    python3 benchmarks/gpu_check.py                  # from the repository root, on a GPU machine
+    python3 benchmarks/gpu_check.py --only streams memory
     python3 benchmarks/gpu_check.py --dry-run        # anywhere: the steps, their commands, the files they need
     python3 benchmarks/gpu_check.py --dry-run --collect   # and how many tests each pytest selection collects
-    python3 benchmarks/gpu_check.py --build-wheels   # here, with network: the wheel folder .whl/
 
-The steps (STEPS) are commands run from the repository root, each under its own time limit and all within
-BUDGET_S, so that one hang cannot eat the rest: first the set-up (the wheel folder installed into a folder
-of this run's own, the versions printed), then the correctness steps side by side (they take no timings,
-and the machine has 16 cores), then the timed steps one at a time with the GPU to themselves. A step that
-fails does not stop the others. The report (`$OUT/gpu_check_report.md`, or --report PATH) holds every
-step's result, time and output tail, and is rewritten after every step, so it is there however the run
-ends.
-
-Each step gets PYTHONPATH set to what it needs, replacing the caller's: the repository root, and for the
-verl steps also the installed wheels (verl 0.9.1 and what its engine imports that the machine lacks,
-with the transformers verl pins), the Ray stand-in (benchmarks/gpu_check_standins: Ray's wheel does not
-fit in what may travel) and a link that makes `patches/` importable as `odc_patches`, as an install
-would; those steps also set ODC_TEST_DEVICE=cuda (tests/verl/harness.py). The other steps see the
-machine's own packages only.
+The steps (STEPS) are commands run from the repository root in this interpreter's environment, each under
+its own time limit and all within --budget-s, so that one hang cannot eat the rest: first the versions,
+then the correctness steps side by side (they take no timings), then the timed steps one at a time with
+the GPU to themselves. A step that fails does not stop the others; the verl steps are skipped where verl
+is not installed. The report (--report, default gpu_check_report.md) holds every step's result, time and
+output tail, and is rewritten after every step, so it is there however the run ends.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import os
 import shutil
 import signal
@@ -39,56 +30,14 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from odc_plugin.launch import RankFailed, run_ranks, stop_group
+
 ROOT = Path(__file__).resolve().parents[1]
-STANDINS = ROOT / "benchmarks" / "gpu_check_standins"
-WHEEL_DIR = ".whl"
 BUDGET_S = 540
 REPORT_NAME = "gpu_check_report.md"
 DEVICE_ENV = "ODC_TEST_DEVICE"  # tests/verl/harness.py's DEVICE_ENV
-# what may travel to the lent machine: the working tree and the carried wheel folder (/work/.library/device)
-TRAVEL_LIMIT = 64 << 20
-
-# What verl 0.9.1's engine path imports that the lent machine lacks (its package list:
-# /work/.library/device/KINDS.md), found by importing tests/verl/harness.py's path with those packages
-# alone; at the versions this project's CPU suite runs. Ray and TransferQueue are not among them: Ray
-# has a stand-in, and verl replaces TransferQueue by a mock of its own when it is missing. transformers,
-# tokenizers, peft and regex shadow the machine's own in the verl steps only: verl 0.9.1 asks for
-# transformers <5.11 (the machine has 5.17), whose import checks tokenizers <=0.23.0 and regex >=2025.10.22.
-WHEELS = (
-    "verl==0.9.1",
-    "tensordict==0.10.0",
-    "pyvers==0.1.0",
-    "orjson==3.13.0",
-    "omegaconf==2.3.1",
-    "codetiming==1.4.0",
-    "pydantic==2.13.4",
-    "pydantic-core==2.46.4",
-    "typing-inspection==0.4.2",
-    "annotated-types==0.7.0",
-    "fastapi==0.165.0",
-    "starlette==1.10.0",
-    "uvicorn==0.54.0",
-    "opentelemetry-api==1.45.2",
-    "datasets==5.2.0",
-    "multiprocess==0.70.19",
-    "dill==0.4.1",
-    "transformers==5.10.4",
-    "tokenizers==0.22.2",
-    "peft==0.21.2",
-    "regex==2026.5.9",
-)
-# omegaconf's parser runtime: PyPI has no wheel of it, so it is built here (pure Python)
-SDISTS = ("antlr4-python3-runtime==4.9.3",)
-PLATFORMS = (
-    "manylinux_2_28_x86_64",
-    "manylinux_2_27_x86_64",
-    "manylinux_2_17_x86_64",
-    "manylinux2014_x86_64",
-    "manylinux1_x86_64",
-)
 
 Phase = Literal["setup", "correctness", "timed"]
-Env = Literal["tree", "verl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,107 +45,84 @@ class Step:
     name: str
     """What `--only` and the report call it."""
     what: str
-    """One line for the report: the check, and its item in /work/shared/gpu-checklist.md."""
+    """One line for the report: what it checks."""
     argv: tuple[str, ...]
-    """The command, run from the repository root; `python` is this interpreter, `{site}` the folder the
-    wheels are installed into, `{wheels}` the wheel files."""
+    """The command, run from the repository root; `python` is this interpreter."""
     timeout_s: int
     """Its own limit; the run's remaining budget lowers it."""
     phase: Phase
     """`setup`: first, one at a time; `correctness`: then side by side (no timings); `timed`: last, one at
     a time, with nothing else on the machine."""
-    env: Env = "tree"
-    """`tree`: the repository on the path; `verl`: also the wheels, the Ray stand-in, `odc_patches`, and
-    ODC_TEST_DEVICE=cuda."""
-    needs_wheels: bool = False
-    """Skipped (said so in the report) when the wheel folder did not install."""
+    needs_verl: bool = False
+    """Skipped (said so in the report) where verl is not installed; run with ODC_TEST_DEVICE=cuda, which
+    puts the verl tests' ranks on GPUs."""
 
 
 PYTEST = ("python", "-m", "pytest", "-q", "-rs", "--tb=short", "-p", "no:cacheprovider", "-o", "addopts=")
 STEPS = (
     Step(
-        "wheels",
-        "the wheel folder installed (verl and what its engine imports), for the verl steps only",
-        ("python", "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir")
-        + ("--upgrade", "--target", "{site}", "{wheels}"),
-        120,
-        "setup",
-    ),
-    Step(
         "versions",
-        "Python, torch, CUDA, NCCL, the GPU and driver, the packages; those the wheels put first for verl",
-        ("python", "benchmarks/gpu_check.py", "--versions", "{site}"),
+        "Python, torch, CUDA, NCCL, the GPUs and driver, the packages, the commit",
+        ("python", "benchmarks/gpu_check.py", "--versions"),
         60,
         "setup",
     ),
     Step(
         "correctness",
-        "item 1: tests/comm's GPU tests (kernels, cuda_ipc conformance) and the ODC core tests over CUDA IPC",
-        PYTEST
-        + ("-n", "4", "tests/comm", "tests/fsdp/test_odc_core.py", "-k", "(gpu or cuda or interp) and not probe"),
+        "tests/comm's GPU tests (kernels, cuda_ipc conformance, the peer-atomics probe), ODC's core over CUDA IPC",
+        PYTEST + ("-n", "4", "tests/comm", "tests/fsdp/test_odc_core.py", "-k", "gpu or cuda or interp"),
         240,
         "correctness",
     ),
     Step(
         "shared-gpu",
-        "item 8's set-up: what a group of two ranks on one GPU can do (the engine tests' ranks share it)",
+        "what a group of two ranks on one GPU can do (the engine tests' ranks share a GPU where there are few)",
         ("python", "benchmarks/gpu_check.py", "--shared-gpu"),
         90,
         "correctness",
     ),
     Step(
         "verl-engine",
-        "item 8: verl's odc engine tests against fsdp2, ranks sharing the GPU (gloo group), ODC over cuda_ipc",
+        "verl's odc engine tests against fsdp2, ranks sharing the GPU (gloo group), ODC over cuda_ipc",
         PYTEST
         + ("-n", "3", "--dist", "loadfile", "tests/verl/test_odc_engine.py", "tests/verl/test_odc_engine_failures.py")
         + ("tests/verl/test_odc_hsdp_engine.py",),
         300,
         "correctness",
-        env="verl",
-        needs_wheels=True,
+        needs_verl=True,
     ),
     Step(
         "verl-engine-nccl",
-        "item 8: verl's odc engine against fsdp2, one rank per GPU in verl's NCCL group, transport auto",
+        "verl's odc engine against fsdp2, one rank per GPU in verl's NCCL group, transport auto",
         PYTEST + ("tests/verl/test_odc_engine_gpu.py",),
         240,
         "correctness",
-        env="verl",
-        needs_wheels=True,
+        needs_verl=True,
     ),
     Step(
         "odc-check",
-        "item 9: odc-check with 2 ranks sharing the GPU (gloo's collectives: NCCL takes one rank per GPU)",
+        "odc-check with 2 ranks (the peer-adds check, transport, correctness, compute, memory after offload)",
         ("python", "-m", "odc_plugin.check", "--gpus", "2"),
         180,
-        "timed",
-        env="verl",  # the planner's prediction packs with verl's own functions
-        needs_wheels=True,
-    ),
-    Step(
-        "probe",
-        "item 6: cuda_ipc's start-up peer-atomics probe passes, and its time",
-        PYTEST + ("-s", "tests/comm/test_gpu_cuda_ipc.py", "-k", "probe"),
-        90,
         "timed",
     ),
     Step(
         "streams",
-        "item 1: the lagging reduce-scatter stream, with the stream bookkeeping and without (negative control)",
+        "the lagging reduce-scatter stream, with the stream bookkeeping and without (negative control)",
         PYTEST + ("-s", "tests/fsdp/test_odc_streams.py"),
         120,
         "timed",
     ),
     Step(
         "memory",
-        "item 7: ODC's memory against stock FSDP2, after offload (as before the rollout) and the backward's peak",
+        "the backward's peak against stock FSDP2 under lagging streams, and the rebuild after expandable segments",
         ("python", "benchmarks/bench_memory_gpu.py"),
         150,
         "timed",
     ),
     Step(
         "transport",
-        "item 2: gather and accumulate at 2 and 3 ranks, old kernel against new and slots, grid bounds 64/96/128",
+        "gather and accumulate at 2 and 3 ranks, the old kernel against the new and slots, grid bounds 64/96/128",
         ("python", "benchmarks/bench_transport_gpu.py", "--gib", "1", "--worlds", "2", "3")
         + ("--programs", "64", "96", "128"),
         180,
@@ -204,14 +130,13 @@ STEPS = (
     ),
     Step(
         "core",
-        "item 3: ODC over stock FSDP2 at world size 1, Qwen2.5-0.5B bf16, trained and forward-only, and memory",
+        "ODC over stock FSDP2 at world size 1, Qwen2.5-0.5B bf16, trained and forward-only, and memory",
         ("python", "benchmarks/bench_odc_core.py", "--device", "cuda", "--ranks", "1", "--skews", "1")
         + ("--model-size", "Qwen2.5-0.5B", "--rows", "fsdp2+lb_micro", "odc+lb_micro", "--mixed-precision")
         + ("--base-len", "4096", "--steps", "10", "--forward-only"),
         180,
         "timed",
-        env="verl",  # LB-Mini's plan packs micro-batches with verl's own functions
-        needs_wheels=True,
+        needs_verl=True,  # LB-Mini's plan packs micro-batches with verl's own functions
     ),
 )
 PHASES: tuple[Phase, ...] = ("setup", "correctness", "timed")
@@ -248,31 +173,21 @@ def is_pytest(step: Step) -> bool:
     return step.argv[1:3] == ("-m", "pytest")
 
 
-def expand(step: Step, site: Path, wheels: list[str]) -> list[str]:
-    argv = []
-    for arg in step.argv:
-        if arg == "python":
-            argv.append(sys.executable)
-        elif arg == "{wheels}":
-            argv.extend(wheels)
-        else:
-            argv.append(arg.replace("{site}", str(site)))
-    return argv
+def expand(step: Step) -> list[str]:
+    return [sys.executable if arg == "python" else arg for arg in step.argv]
 
 
-def wheel_files() -> list[str]:
-    """The carried wheel files, as paths from the repository root (where the steps run)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / WHEEL_DIR).glob("*.whl"))
-
-
-def step_env(step: Step, site: Path, links: Path) -> dict[str, str]:
+def step_env(step: Step) -> dict[str, str]:
+    """This environment, with the repository first on the path (its `tests` before any installed one)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    path = [str(ROOT)]
-    if step.env == "verl":
-        path += [str(STANDINS), str(site), str(links)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    if step.needs_verl:
         env[DEVICE_ENV] = "cuda"
-    env["PYTHONPATH"] = os.pathsep.join(path)
     return env
+
+
+def has_verl() -> bool:
+    return importlib.util.find_spec("verl") is not None
 
 
 def select(names: list[str] | None) -> tuple[Step, ...]:
@@ -307,7 +222,7 @@ def count_collected(step: Step) -> tuple[int, int]:
             skip = 1
         elif arg != "-s":
             args.append(arg)
-    env = {DEVICE_ENV: "cuda"} if step.env == "verl" else {}
+    env = {DEVICE_ENV: "cuda"} if step.needs_verl else {}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -325,15 +240,12 @@ def dry_run(steps: tuple[Step, ...], collect: bool) -> int:
     """Lists the steps; 1 if a step names a file that does not exist or (--collect) a pytest selection
     collects no test."""
     os.chdir(ROOT)  # the steps' paths are the repository's
-    wheels = wheel_files()
     bad = []
     print(f"gpu_check.py --dry-run: {len(steps)} steps, budget {BUDGET_S} s, from {ROOT}")
     for step in steps:
-        shown = " ".join(
-            f"{WHEEL_DIR}/*.whl ({len(wheels)} here)" if a == "{wheels}" else repr(a) if " " in a else a
-            for a in step.argv
-        )
-        print(f"step {step.name} [{step.phase}, {step.timeout_s} s, env {step.env}]: {step.what}\n  {shown}")
+        shown = " ".join(repr(a) if " " in a else a for a in step.argv)
+        needs = ", needs verl" if step.needs_verl else ""
+        print(f"step {step.name} [{step.phase}, {step.timeout_s} s{needs}]: {step.what}\n  {shown}")
         missing = [f for f in step_files(step) if not (ROOT / f).exists()]
         if missing:
             bad.append(step.name)
@@ -356,11 +268,8 @@ class Runner:
 
     def __init__(self, steps: tuple[Step, ...], report: Path, work: Path, budget_s: float = BUDGET_S):
         self.steps, self.report, self.budget_s = steps, report, budget_s
-        self.site, self.links, self.logs = work / "site", work / "links", work / "logs"
-        self.links.mkdir()
+        self.logs = work / "logs"
         self.logs.mkdir()
-        (self.links / "odc_patches").symlink_to(ROOT / "patches")  # pyproject's package-dir for odc_patches
-        self.wheels = wheel_files()
         self.results = {s.name: Result() for s in steps}
         self.start = time.monotonic()
         self.started_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -372,16 +281,9 @@ class Runner:
     def say(self, line: str) -> None:
         print(f"[{self.elapsed():6.1f}s] {line}", flush=True)
 
-    def skip_reason(self, step: Step) -> str | None:
-        if step.name == "wheels" and not self.wheels:
-            return f"skipped: no wheel folder {WHEEL_DIR}/ (build it here with --build-wheels; docs/gpu.md)"
-        if step.needs_wheels and not (self.site.is_dir() and any(self.site.glob("verl-*.dist-info"))):
-            return "skipped: the wheel folder did not install verl (see step wheels)"
-        return None
-
     def launch(self, step: Step) -> None:
         result = self.results[step.name]
-        reason = self.skip_reason(step)
+        reason = "skipped: verl is not installed" if step.needs_verl and not has_verl() else None
         left = self.budget_s - self.elapsed()
         if reason is None and left < 5:
             reason = f"not run: the run's {self.budget_s:.0f} s were spent"
@@ -389,7 +291,7 @@ class Runner:
             result.status = reason
             self.say(f"{step.name}: {reason}")
             return
-        argv = expand(step, self.site, self.wheels)
+        argv = expand(step)
         result.command = " ".join(argv)
         result.limit_s = min(step.timeout_s, left)
         with open(self.logs / f"{step.name}.log", "wb") as log:
@@ -397,7 +299,7 @@ class Runner:
                 proc = subprocess.Popen(
                     argv,
                     cwd=ROOT,
-                    env=step_env(step, self.site, self.links),
+                    env=step_env(step),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -410,15 +312,6 @@ class Runner:
         self.running[step.name] = (proc, time.monotonic(), result.limit_s)
         self.say(f"{step.name}: started (limit {result.limit_s:.0f} s)")
 
-    def stop(self, proc: subprocess.Popen) -> None:
-        """End a step's process group: SIGTERM, then SIGKILL after 10 s."""
-        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(wait_s)
-                return
-
     def poll(self) -> None:
         for name, (proc, started, limit) in list(self.running.items()):
             seconds = time.monotonic() - started
@@ -426,7 +319,7 @@ class Runner:
                 continue
             result = self.results[name]
             if proc.returncode is None:
-                self.stop(proc)
+                stop_group(proc)
                 result.status = f"timed out after {limit:.0f} s"
             else:
                 result.status = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
@@ -457,7 +350,7 @@ class Runner:
                         self.run_together([step])
         finally:  # stopped itself (SIGTERM, Ctrl-C) or broken: end what runs, and say so in the report
             for name, (proc, started, _) in list(self.running.items()):
-                self.stop(proc)
+                stop_group(proc)
                 result = self.results[name]
                 result.status, result.seconds = "stopped with the check", time.monotonic() - started
                 result.output = (self.logs / f"{name}.log").read_text(errors="replace")
@@ -511,8 +404,7 @@ def last_line(text: str) -> str:
 
 
 def tree_commit(git: str | None) -> str:
-    """The commit git names here, and whether the tree that runs is that commit: the device tool copies the
-    working tree, and the git metadata beside it can be older (on 2026-11-26 it named a commit 18 back)."""
+    """The commit here, and whether the tree that runs differs from it."""
     if not git:
         return "no git here"
     head = subprocess.run([git, "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -520,12 +412,11 @@ def tree_commit(git: str | None) -> str:
         return "no git metadata here"
     changed = subprocess.run([git, "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
     count = len(changed.stdout.splitlines())
-    differs = f", but {count} tracked files differ from it: the tree that ran is not that commit" if count else ""
-    return head.stdout.strip() + differs
+    return head.stdout.strip() + (f", {count} tracked files changed" if count else "")
 
 
-def print_versions(site: str | None) -> None:
-    """The `versions` step: what this machine runs, and what the installed wheels put first for verl."""
+def print_versions() -> None:
+    """The `versions` step: what this machine runs."""
     import importlib.metadata as md
     import platform
 
@@ -550,13 +441,8 @@ def print_versions(site: str | None) -> None:
         )
         print(f"driver {out.stdout.strip()}")
     names = ["triton", "transformers", "tokenizers", "peft", "accelerate", "huggingface-hub", "safetensors", "regex"]
-    names += ["numpy", "pyarrow", "pandas", "pytest", "pytest-xdist", "nvidia-nccl-cu13", "nvidia-nvshmem-cu13"]
+    names += ["numpy", "pyarrow", "pandas", "pytest", "pytest-xdist", "nvidia-nccl-cu13", "nvidia-nvshmem-cu13", "verl"]
     print("packages: " + ", ".join(f"{n} {_version(md, n)}" for n in names))
-    if site and Path(site).is_dir():
-        dists = sorted(f"{d.metadata['Name']} {d.version}" for d in md.distributions(path=[site]))
-        print(f"first on the verl steps' path (the wheel folder, installed in {site}): " + ", ".join(dists))
-    else:
-        print("no wheel folder installed: the verl steps are skipped")
 
 
 def _version(md, name: str) -> str:
@@ -618,8 +504,6 @@ def shared_gpu() -> int:
     is a finding (printed, a refusal or a crash included); exit 1 only when nothing could be checked."""
     import torch
 
-    from odc_plugin.launch import RankFailed, run_ranks
-
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing checked")
         return 1
@@ -636,39 +520,6 @@ def shared_gpu() -> int:
     return 0
 
 
-# --------------------------------------------------------------------------------------------- wheel folder
-
-
-def pip_lines(folder: str) -> list[list[str]]:
-    """The two pip commands (after `python3`) that fill `folder` with WHEELS and SDISTS: docs/gpu.md shows them."""
-    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    download = ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
-    download += ["--implementation", "cp", *platforms, "-d", folder, *WHEELS]
-    return [download, ["-m", "pip", "wheel", "--no-deps", "--no-binary=:all:", "-w", folder, *SDISTS]]
-
-
-def build_wheels() -> int:
-    """Downloads WHEELS and builds SDISTS into a fresh .whl/ (here, with network); 1 if what would travel
-    to the lent machine is over its 64 MiB."""
-    folder = ROOT / WHEEL_DIR
-    folder.mkdir(exist_ok=True)
-    for old in folder.glob("*.whl"):  # one version of each: two stop the install there
-        old.unlink()
-    for line in pip_lines(WHEEL_DIR):
-        print("python3 " + " ".join(line), flush=True)
-        if subprocess.run([sys.executable, *line], cwd=ROOT).returncode:
-            return 1
-    wheels = sum(f.stat().st_size for f in folder.glob("*.whl"))
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True)
-    tree = sum((ROOT / f).stat().st_size for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file())
-    total = wheels + tree
-    print(
-        f"{WHEEL_DIR}/: {len(list(folder.glob('*.whl')))} wheels, {wheels / 2**20:.1f} MiB; with the working tree "
-        f"({tree / 2**20:.1f} MiB) {total / 2**20:.1f} MiB of the {TRAVEL_LIMIT >> 20} MiB that may travel"
-    )
-    return 0 if total <= TRAVEL_LIMIT else 1
-
-
 # --------------------------------------------------------------------------------------------- main
 
 
@@ -678,10 +529,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dry-run", action="store_true", help="list the steps and check the files they name")
     p.add_argument("--collect", action="store_true", help="with --dry-run: count each pytest selection's tests")
-    p.add_argument("--report", type=Path, help=f"the report file (default: $OUT/{REPORT_NAME})")
+    p.add_argument("--report", type=Path, default=Path(REPORT_NAME), help=f"the report file (default {REPORT_NAME})")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"all steps' time limit (default {BUDGET_S})")
     p.add_argument("--only", nargs="+", metavar="STEP", help="run these steps (and the set-up steps) only")
-    p.add_argument("--build-wheels", action="store_true", help=f"build {WHEEL_DIR}/ here (needs network)")
-    p.add_argument("--versions", nargs="?", const="", metavar="SITE", help="the versions step")
+    p.add_argument("--versions", action="store_true", help="the versions step")
     p.add_argument("--shared-gpu", action="store_true", help="the shared-gpu step")
     args = p.parse_args(argv)
     if args.collect and not args.dry_run:
@@ -691,20 +542,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.versions is not None:
-        print_versions(args.versions or None)
+    if args.versions:
+        print_versions()
         return 0
     if args.shared_gpu:
         return shared_gpu()
-    if args.build_wheels:
-        return build_wheels()
     steps = select(args.only)
     if args.dry_run:
         return dry_run(steps, args.collect)
-    report = args.report or (Path(os.environ["OUT"]) / REPORT_NAME if os.environ.get("OUT") else None)
-    if report is None:
-        sys.exit("gpu_check.py: give --report PATH (or set OUT, as the device tool does)")
-    report = report.resolve()
+    report = args.report.resolve()
     os.chdir(ROOT)
 
     def stopped(signum, _frame):
@@ -712,7 +558,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, stopped)
     with tempfile.TemporaryDirectory(prefix="odc-gpu-check-") as work:
-        return 0 if Runner(steps, report, Path(work)).run() else 1
+        return 0 if Runner(steps, report, Path(work), args.budget_s).run() else 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Run a function on W processes joined by a process group (gloo by default): tests, benchmarks, the demo.
+"""Run a function on W processes joined by a process group (gloo by default): tests, benchmarks, the demo;
+and end a command's whole process group (stop_group).
 
 Each rank runs with one thread so that W ranks on W cores do not fight over them. Ranks are forked from
 a server process that has imported torch and transformers once (multiprocessing's forkserver), so 32 ranks
@@ -15,6 +16,7 @@ import importlib
 import os
 import select
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -261,3 +263,15 @@ def run_ranks(
                 f"rank {r} failed: {res['error']}" + (f" (also {others})" if others else "") + f"\n{res['traceback']}"
             )
         return [res["result"] for res in results]
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End a command started with `start_new_session=True` and every process it started: SIGTERM to its
+    process group, SIGKILL after `grace_s`. run_ranks' ranks are its own children and end with kill(); a
+    command (a pytest run, a benchmark) starts processes of its own that only its group reaches."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait_s)
+            return

@@ -20,9 +20,9 @@ BENCHMARKS = ROOT / "benchmarks"
 
 def checklist_commands() -> list[list[str]]:
     """The GPU checklist's benchmark commands that take arguments, as argument lists from the script on:
-    the one command's (benchmarks/gpu_check.py's steps), then those docs/gpu.md shows beside it."""
+    the GPU check's steps (benchmarks/gpu_check.py), then those docs/gpu.md shows beside it."""
     steps = [list(s.argv[1:]) for s in load("gpu_check.py").STEPS if s.argv[1].startswith("benchmarks/bench")]
-    section = (ROOT / "docs" / "gpu.md").read_text().split("Not in the one command:", 1)[1]
+    section = (ROOT / "docs" / "gpu.md").read_text().split("Not in the GPU check:", 1)[1]
     block = re.search(r"```\n(.*?)```", section, re.S)
     lines = [line.removeprefix("PYTHONPATH=. ") for line in block.group(1).splitlines()]
     shown = [shlex.split(line)[1:] for line in lines if line.startswith("python benchmarks/")]

@@ -1,5 +1,0 @@
-"""`ray.actor`: a name in verl's annotations."""
-
-
-class ActorHandle:
-    pass

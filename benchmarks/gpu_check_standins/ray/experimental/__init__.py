@@ -1,1 +1,0 @@
-"""`ray.experimental`: what verl imports of it."""

@@ -1,1 +1,0 @@
-"""`ray.experimental.state`: what verl imports of it."""

@@ -1,1 +1,0 @@
-"""`ray.util`: what verl imports of it."""
