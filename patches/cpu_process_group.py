@@ -1,10 +1,12 @@
 """On CPU, verl's training ranks join one plain gloo process group.
 
-verl 0.9.1 (`verl/utils/distributed.py:83-99`) builds the backend string
-`f"cpu:gloo,{device}:{backend}"`, which on the `cpu` platform is "cpu:gloo,cpu:gloo", and
-torch.distributed rejects it ("Duplicate device type cpu"). `ActorRolloutRefWorker.__init__`
-(`verl/workers/engine_workers.py:89`) calls it with no backend; this patch makes that call pass "gloo".
-Applied only with VERL_PLATFORM=cpu.
+verl 0.9.1's process-group set-ups (`verl.utils.distributed`) build the backend string
+`f"cpu:gloo,{device}:{backend}"`, which on the `cpu` platform is "cpu:gloo,cpu:gloo", and torch.distributed
+rejects it ("Duplicate device type cpu"). Two callers: `ActorRolloutRefWorker.__init__` and the Ray
+trainers' workers call `initialize_global_process_group_ray` with no backend (this patch makes the call
+pass "gloo"); the SPMD SFT trainer (`torchrun -m verl.trainer.sft_trainer`) calls
+`initialize_global_process_group`, which takes no backend (this patch gives its `init_process_group`
+"gloo" for that string, and nothing else of it changes). Applied only with VERL_PLATFORM=cpu.
 """
 
 from __future__ import annotations
@@ -17,13 +19,24 @@ from odc_patches import PatchError, require_attr, require_verl_version
 VERL_VERSION = "0.9.1"
 NAME = "cpu_process_group"
 TARGET = "verl.workers.engine_workers"
+DUPLICATE_CPU = "cpu:gloo,cpu:gloo"
 
 
-def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
-    from verl.utils import distributed
-    from verl.workers import engine_workers
+def _builds_duplicate_cpu(fn) -> bool:
+    return "cpu:gloo," in "".join(c for c in fn.__code__.co_consts if isinstance(c, str))
 
+
+def _check(fn, params: list[str]) -> None:
+    if list(inspect.signature(fn).parameters) != params:
+        raise PatchError(f"odc patch '{NAME}': {fn.__name__}{inspect.signature(fn)} is not ({', '.join(params)})")
+    if not _builds_duplicate_cpu(fn):
+        raise PatchError(
+            f"odc patch '{NAME}': {fn.__name__} no longer builds 'cpu:gloo,<device>:<backend>'; re-check whether "
+            f"CPU still needs this patch"
+        )
+
+
+def _patch_ray_set_up(distributed, engine_workers) -> None:
     current = require_attr(engine_workers, "initialize_global_process_group_ray", NAME)
     if getattr(current, "_odc_patched", False):
         return
@@ -32,16 +45,7 @@ def apply() -> None:
             f"odc patch '{NAME}': engine_workers.initialize_global_process_group_ray is not "
             f"verl.utils.distributed's any more"
         )
-    if list(inspect.signature(current).parameters) != ["timeout_second", "backend"]:
-        raise PatchError(
-            f"odc patch '{NAME}': initialize_global_process_group_ray{inspect.signature(current)} "
-            f"is not (timeout_second, backend)"
-        )
-    if "cpu:gloo," not in "".join(c for c in current.__code__.co_consts if isinstance(c, str)):
-        raise PatchError(
-            f"odc patch '{NAME}': initialize_global_process_group_ray no longer builds "
-            f"'cpu:gloo,<device>:<backend>'; re-check whether CPU still needs this patch"
-        )
+    _check(current, ["timeout_second", "backend"])
 
     @functools.wraps(current)
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
@@ -49,3 +53,36 @@ def apply() -> None:
 
     initialize_global_process_group_ray._odc_patched = True
     engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def _patch_spmd_set_up(distributed) -> None:
+    current = require_attr(distributed, "initialize_global_process_group", NAME)
+    if getattr(current, "_odc_patched", False):
+        return
+    _check(current, ["timeout_second"])
+    import torch.distributed as dist
+
+    @functools.wraps(current)
+    def initialize_global_process_group(timeout_second=36000):
+        init = dist.init_process_group
+
+        def gloo_for_duplicate_cpu(*args, backend=None, **kwargs):
+            return init(*args, backend="gloo" if backend == DUPLICATE_CPU else backend, **kwargs)
+
+        dist.init_process_group = gloo_for_duplicate_cpu
+        try:
+            return current(timeout_second=timeout_second)
+        finally:
+            dist.init_process_group = init
+
+    initialize_global_process_group._odc_patched = True
+    distributed.initialize_global_process_group = initialize_global_process_group
+
+
+def apply() -> None:
+    require_verl_version(NAME, VERL_VERSION)
+    from verl.utils import distributed
+    from verl.workers import engine_workers
+
+    _patch_ray_set_up(distributed, engine_workers)
+    _patch_spmd_set_up(distributed)

@@ -24,15 +24,24 @@ odc engines' own check at start.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+import sys
 
 from odc_patches import require_attr
 
 VERL_VERSION = "0.9.1"
 NAME = "trainer_choice"
-# module -> the trainer class in it that gets the choice: the v1 trainers' base, and the legacy trainer
-TARGETS = {"verl.trainer.ppo.v1.trainer_base": "PPOTrainer", "verl.trainer.ppo.ray_trainer": "RayPPOTrainer"}
+# where apply_to_script hooks in
+SCRIPT_HOOK = "verl.utils.device"
+# module -> the trainer class in it that gets the choice: the v1 trainers' base, the legacy trainer, the SFT trainers
+TARGETS = {
+    "verl.trainer.ppo.v1.trainer_base": "PPOTrainer",
+    "verl.trainer.ppo.ray_trainer": "RayPPOTrainer",
+    "verl.trainer.sft_trainer": "SFTTrainer",
+    "verl.trainer.sft_trainer_ray": "SFTTrainer",
+}
 
 logger = logging.getLogger(__name__)
 
@@ -68,3 +77,26 @@ def apply(module: str) -> None:
         logger.warning("odc patch '%s' not applied: %s", NAME, e)
         return
     give_choice(trainer)
+
+
+def apply_to_script() -> None:
+    """The choice for the trainer class of a TARGETS module run as a script (`python -m`, `torchrun -m`): its
+    classes live in `__main__`, which no import hook sees. verl's SFT trainers call verl's
+    `auto_set_device(config)` first thing in their `main`, before building the trainer; wrapped here, it
+    gives `__main__`'s trainer class the choice, then does what verl's does."""
+    from verl.utils import device
+
+    current = require_attr(device, "auto_set_device", NAME)
+    if getattr(current, "_odc_patched", False):
+        return
+
+    @functools.wraps(current)
+    def auto_set_device(*args, **kwargs):
+        script = sys.modules.get("__main__")
+        name = getattr(getattr(script, "__spec__", None), "name", None)
+        if name in TARGETS and hasattr(script, TARGETS[name]):
+            give_choice(getattr(script, TARGETS[name]))
+        return current(*args, **kwargs)
+
+    auto_set_device._odc_patched = True
+    device.auto_set_device = auto_set_device

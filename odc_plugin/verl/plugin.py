@@ -55,6 +55,8 @@ try:
     for module in trainer_choice.TARGETS:
         choice = functools.partial(trainer_choice.apply, module)
         after_import(module, _warn_on_failure("odc patch 'trainer_choice'", choice))
+    script_choice = _warn_on_failure("odc patch 'trainer_choice'", trainer_choice.apply_to_script)
+    after_import(trainer_choice.SCRIPT_HOOK, script_choice)
 except Exception as e:
     logger.error("odc_plugin: the verl plugin 'odc' failed to load, %s: %s: %s", UNAVAILABLE, type(e).__name__, e)
     raise

@@ -36,6 +36,8 @@ from collections.abc import Mapping
 # The strategy keys of the roles, and which worker kind each role's odc engine runs in.
 ACTOR_SIDE_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy")
 CRITIC_KEY = "critic.strategy"
+# verl's SFT trainers (torchrun's and Ray's), whose configuration names the engine's strategy instead
+SFT_MODULES = ("verl.trainer.sft_trainer",)
 # verl's trainer modes under odc
 SUPPORTED_MODES = ("sync", "colocate_async", "separate_async")
 # verl's legacy trainer (trainer.use_v1=False), and why odc refuses it
@@ -69,7 +71,13 @@ def odc_sides(config) -> tuple[bool, bool]:
 def trainer_class(cls: type, config) -> type:
     """The class of a run's trainer: `cls` (verl's class for the run's mode) without odc, else its odc
     subclass (a ValueError or PatchError in one line if odc cannot train with it)."""
-    if getattr(cls, "_odc_trainer", False) or not any(odc_sides(config)):
+    if getattr(cls, "_odc_trainer", False):
+        return cls
+    from . import sft
+
+    if sft.module_of(cls).startswith(SFT_MODULES):
+        return sft.trainer_class(cls, config)
+    if not any(odc_sides(config)):
         return cls
     return odc_trainer_class(cls)
 
