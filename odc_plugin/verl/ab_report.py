@@ -80,7 +80,7 @@ def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
         records = read_metrics(path)
     except ValueError as e:
         raise ReportError(str(e)) from None
-    training = {s: m for s, m in sorted(records.items()) if STEP in m}
+    training = {s: _as_ppo_keys(m) for s, m in sorted(records.items()) if STEP in m}
     for step, metrics in training.items():
         # Only the times the figures divide by are read as times: verl also logs counts under timing_s/ (its
         # agent loop's agent_loop/num_preempted/*, -1 where the rollout does not report preemptions).
@@ -93,6 +93,19 @@ def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
         )
     kept = dict(list(training.items())[skip_first:])
     return Run(label=label, path=path, steps=kept)
+
+
+# verl's SFT trainer's keys, and the PPO trainer's that mean the same: its one model is read as the actor
+SFT_KEYS = {"timing_s/update": "timing_s/update_actor", "train/global_tokens": TOKENS}
+
+
+def _as_ppo_keys(metrics: dict[str, float]) -> dict[str, float]:
+    """A step's metrics under the PPO trainer's names: an SFT run's update, tokens and engine metrics
+    (`odc/*`, as `actor/odc/*`); a PPO run's unchanged."""
+    if "train/loss" not in metrics:
+        return metrics
+    renamed = {SFT_KEYS.get(k, f"actor/{k}" if k.startswith("odc/") else k): v for k, v in metrics.items()}
+    return renamed
 
 
 def _median(values: list[float]) -> float | None:

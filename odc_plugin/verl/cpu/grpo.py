@@ -442,6 +442,8 @@ def _run_once(strategy: str, args: list[str], out_dir: str, steps: int, timeout_
 _EXCEPTION_LINE = re.compile(
     r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?:\(.*\))?(?:[:(].*)?$"
 )
+# torchrun's own exception after a rank failed: the rank's is the one to report
+_LAUNCHER_ERROR = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 # Ray prefixes a worker's output with its name and pid: "(TaskRunner pid=123) ", "(WorkerDict pid=4, ip=...) ".
 _RAY_PREFIX = re.compile(r"^\([^()]*pid=\d+[^()]*\)\s*")
 
@@ -454,7 +456,7 @@ def last_error(log_file: str) -> str:
     with open(log_file, encoding="utf-8", errors="replace") as fp:
         lines = [_RAY_PREFIX.sub("", line.strip()) for line in fp if line.strip()]
     for i in reversed(range(len(lines))):
-        if _EXCEPTION_LINE.match(lines[i]):
+        if _EXCEPTION_LINE.match(lines[i]) and not lines[i].startswith(_LAUNCHER_ERROR):
             note = lines[i + 1] if i + 1 < len(lines) and lines[i + 1].startswith("ODC: ") else ""
             return f"{lines[i]} ({note})" if note else lines[i]
     errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line) and "Warning" not in line]
