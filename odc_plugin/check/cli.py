@@ -3,15 +3,15 @@ it will help here.
 
     odc-check --gpus 8                        # this node's GPUs, one rank each (its own launcher)
     torchrun --nproc-per-node 8 -m odc_plugin.check
-    odc-check --cpu --ranks 4                 # CPU ranks over shared memory and gloo (how it is tested)
+    odc-check --cpu --ranks 4                 # CPU ranks over shared memory and gloo (2 without --ranks)
 
 No verl, Ray or vLLM is needed (the planner's prediction uses verl's own balancing where verl is
 installed). It prints one screen, and with `--json FILE` writes the same as JSON: the environment and the
 start-up check of peer adds; ODC's transport against the process group's collectives at one decoder
 layer of `--model` (its accumulate methods, and on GPUs a matmul's throughput beside them); a small model
-trained by ODC on uneven micro-batch counts against stock FSDP2; memory after offload as the driver sees
-it; and a verdict in one line. It exits 0, or 1 when a check failed (no accumulate method adds exactly, or
-ODC trains otherwise than FSDP2), 2 when it could not run.
+trained by ODC on uneven micro-batch counts against stock FSDP2 on even ones, over the same samples; memory
+after offload as the driver sees it; and a verdict in one line. It exits 0, or 1 when a check failed (no
+accumulate method adds exactly, or ODC trains otherwise than FSDP2), 2 when it could not run.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--gpus", type=number_arg(int, 2, strict=False), help="run N ranks, one per GPU of this node")
-    where.add_argument("--cpu", action="store_true", help="run on CPU ranks (shm transport, gloo), with --ranks")
-    p.add_argument("--ranks", type=number_arg(int, 2, strict=False), help="with --cpu: how many ranks (>= 2)")
+    where.add_argument("--cpu", action="store_true", help="run on CPU ranks (shm transport, gloo)")
+    p.add_argument(
+        "--ranks", type=number_arg(int, 2, strict=False), help="with --cpu: how many ranks (>= 2, default 2)"
+    )
     p.add_argument(
         "--model",
         help="a model preset (e.g. Qwen2.5-7B) or a directory with its config.json: the layer the transport is "
@@ -88,20 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     if under_torchrun:
         return _run_under_torchrun(p, args)
     if args.cpu:
-        if args.ranks is None:
-            p.error("--cpu needs --ranks N")
-        options, ranks = _options(p, args, "cpu", args.ranks), args.ranks
+        ranks = args.ranks or 2
+        options = _options(p, args, "cpu", ranks)
         backend = "gloo"
     elif args.gpus:
         import torch
 
         if not torch.cuda.is_available():
-            p.error("--gpus needs CUDA GPUs; on CPU use --cpu --ranks N")
+            p.error("--gpus needs CUDA GPUs; on CPU use --cpu")
         options, ranks = _options(p, args, "cuda", args.gpus), args.gpus
         # NCCL takes one rank per GPU: ranks sharing a GPU meet over gloo, and the collectives compared are gloo's
         backend = "nccl" if torch.cuda.device_count() >= ranks else "gloo"
     else:
-        p.error("say where to run: --gpus N, --cpu --ranks N, or launch it with torchrun -m odc_plugin.check")
+        p.error("say where to run: --gpus N, --cpu [--ranks N], or launch it with torchrun -m odc_plugin.check")
     from ..launch import RankFailed, run_ranks
 
     try:

@@ -4,8 +4,8 @@
 2. the transport against the group's collectives at one decoder layer's shard of the named model
    (comm/calibrate.py), which picks the accumulate method among those whose adds were exact;
 3. correctness with it: a small Qwen2-shaped model trained a few SGD steps by stock FSDP2 on an even split
-   of the samples, then by ODC on an uneven one (ranks run different micro-batch counts); the worst relative
-   difference between the parameters' updates;
+   of the samples, then by ODC on an uneven split of the same samples (every rank but the first runs one
+   micro-batch, the first the rest); the worst relative difference between the parameters' updates;
 4. the device's matmul throughput (the verdict's compute per layer) and, on GPUs, with the accumulates
    running beside it on a high-priority stream, as FSDP's reduce-scatter stream is;
 5. memory after the model is offloaded, as verl does before the rollout: ODC against stock FSDP2, in torch's
@@ -131,13 +131,9 @@ def _samples(world_size: int, vocab: int) -> list[torch.Tensor]:
 
 
 def _uneven_shares(n: int, world_size: int) -> list[list[int]]:
-    """One sample on the middle ranks, the rest split between the first and the last: counts differ."""
-    if world_size == 1:
-        return [list(range(n))]
-    sizes = [1] * world_size
-    rest = n - world_size
-    sizes[0] += rest - rest // 2
-    sizes[-1] += rest // 2
+    """One sample on every rank but the first, which runs the rest: the counts differ at every rank count, two
+    included, and add up to the `n` samples FSDP2 trains, so that both train on the same batch."""
+    sizes = [n - world_size + 1] + [1] * (world_size - 1)
     starts = [sum(sizes[:r]) for r in range(world_size)]
     return [list(range(s, s + k)) for s, k in zip(starts, sizes)]
 

@@ -1,5 +1,6 @@
 """odc-check on CPU ranks (shm transport, gloo), as a user runs it: every section with figures measured in
-the run, the JSON, a slow link flipping the verdict, a pair losing its adds failing the check, bad input."""
+the run, the JSON, ODC on uneven micro-batch counts at 2 and 4 ranks, 2 ranks without --ranks, a slow link
+flipping the verdict, a pair losing its adds failing the check, bad input."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from odc_plugin.check.cli import main
 from odc_plugin.check.verdict import LayerShape, Verdict, balanced_overhead, layer_seconds
+from odc_plugin.launch import RankFailed
 
 
 def _odc_check(*argv, timeout_s=600) -> subprocess.CompletedProcess:
@@ -43,16 +45,20 @@ def test_four_cpu_ranks_print_every_section_and_write_the_json(four_ranks):
         assert f"accumulate {method:<7}{seconds * 1e3:8.2f} ms" in out
     assert c["chosen"] in c["accumulate_s"] and f"accumulate {c['chosen']:<7}" in out and "(chosen)" in out
     k = report["correctness"]
-    assert k["passed"] and k["worst"] < k["limit"] and k["odc_micro_batches"] == [5, 1, 1, 5]
+    assert k["passed"] and k["worst"] < k["limit"]
+    assert k["odc_micro_batches"] == [9, 1, 1, 1] and k["fsdp_micro_batches"] == [3, 3, 3, 3]
     assert f"{k['worst']:.2e}" in out
     assert report["memory"]["odc_released_bytes"] < report["memory"]["odc_built_bytes"]
     assert report["verdict"]["line"] == out.strip().splitlines()[-1]
 
 
-def test_a_slow_link_makes_the_verdict_say_odc_would_lose(tmp_path):
+def test_two_ranks_train_odc_on_uneven_counts_and_a_slow_link_makes_the_verdict_say_odc_would_lose(tmp_path):
     # a short micro-batch computes in little time, so a link 0.2 s slower per transfer cannot hide behind it
     proc = _odc_check("--cpu", "--ranks", "2", "--micro-batch-tokens", "8", "--test-delay-s", "0.2")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the same 6 samples as FSDP2's 3 and 3, one rank running five times the other's micro-batches
+    correctness = "correctness: Qwen2 'small', 3 SGD steps, ODC on micro-batch counts [5, 1] against stock FSDP2 on"
+    assert f"{correctness} [3, 3]\n  worst relative difference" in proc.stdout and "same training" in proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
     assert (
         last.startswith("odc-check: WARNING: ODC would lose here: ODC's transport is 0.") and "strategy=fsdp2" in last
@@ -74,8 +80,7 @@ def test_a_pair_losing_its_adds_fails_the_check_and_exits_non_zero(tmp_path):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        ([], "say where to run: --gpus N, --cpu --ranks N"),
-        (["--cpu"], "--cpu needs --ranks N"),
+        ([], "say where to run: --gpus N, --cpu [--ranks N]"),
         (["--cpu", "--ranks", "1"], "--ranks: must be an integer >= 2, got '1'"),
         (["--ranks", "2"], "--ranks goes with --cpu"),
         (["--cpu", "--ranks", "2", "--model", "no-such-model"], "--model: model 'no-such-model' is neither a preset"),
@@ -91,6 +96,18 @@ def test_bad_arguments_fail_in_one_line(capsys, argv, message):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("odc-check: error: ") and message in err[-1], err
+
+
+def test_cpu_alone_runs_two_ranks(monkeypatch, capsys):
+    launched = []
+
+    def run_ranks(fn, ranks, options, **kwargs):
+        launched.append((ranks, options.device))
+        raise RankFailed("stopped before the ranks start")
+
+    monkeypatch.setattr("odc_plugin.launch.run_ranks", run_ranks)
+    assert main(["--cpu"]) == 2 and launched == [(2, "cpu")]
+    assert capsys.readouterr().err == "odc-check: stopped before the ranks start\n"
 
 
 def test_the_verdict_weighs_the_balanced_overhead_against_the_planned_gain():
