@@ -143,6 +143,19 @@ def test_every_file_of_the_repository_a_command_names_exists():
     assert named and not [(w, p) for w, p in named if not (ROOT / p).exists()]
 
 
+def test_ci_runs_the_readmes_test_command_in_a_virtual_environment_made_from_nothing():
+    """`.ci/run` makes a virtual environment as the README says, `.venv` being a temporary folder it removes
+    at exit, and runs the README's test command in it as written."""
+    readme = (ROOT / "README.md").read_text()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    [test_command] = [line for line in readme.splitlines() if line.startswith("pip install") and "pytest" in line]
+    make_venv = "python3 -m venv .venv && . .venv/bin/activate"
+    assert readme.find(make_venv) in range(readme.index(test_command))
+    assert 'venv="$(mktemp -d)"' in ci and "trap 'rm -rf \"$venv\"' EXIT" in ci
+    assert ci.index(make_venv.replace(".venv", '"$venv"')) < ci.index(test_command)
+    assert "--system-site-packages" not in "\n".join(ci)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("docs_commands")
