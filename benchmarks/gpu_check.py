@@ -162,7 +162,7 @@ def step_files(step: Step) -> list[str]:
     """The repository paths a step's command names (a pytest node id counts by its file)."""
     files = []
     for previous, arg in zip(("",) + step.argv, step.argv):
-        if arg.startswith("-") or "{" in arg or previous == "-k":
+        if arg.startswith("-") or previous == "-k":
             continue
         if arg.endswith(".py") or "/" in arg:
             files.append(arg.split("::")[0])
@@ -205,35 +205,19 @@ def select(names: list[str] | None) -> tuple[Step, ...]:
 
 
 def count_collected(step: Step) -> tuple[int, int]:
-    """(tests the step's pytest selection collects, pytest's exit code), in this process."""
-    import pytest
-
-    class Count:
-        items = 0
-
-        def pytest_collection_finish(self, session):
-            Count.items = len(session.items)
-
-    args, skip = [], 0
-    for arg in step.argv[3:]:  # after `python -m pytest`
-        if skip:
-            skip -= 1
-        elif arg in ("-n", "--dist"):  # xdist's: collection runs here
-            skip = 1
-        elif arg != "-s":
-            args.append(arg)
-    env = {DEVICE_ENV: "cuda"} if step.needs_verl else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        code = pytest.main([*args, "--collect-only", "-qq"], plugins=[Count()])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return Count.items, int(code)
+    """(tests the step's pytest selection collects, pytest's exit code), collected in the step's environment."""
+    args = [a for a in step.argv[3:] if a != "-s"]  # after `python -m pytest`
+    for option in ("-n", "--dist"):  # xdist's: collection runs in the one process
+        while option in args:
+            del args[args.index(option) : args.index(option) + 2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "--collect-only"],
+        cwd=ROOT,
+        env=step_env(step),
+        capture_output=True,
+        text=True,
+    )
+    return sum("::" in line for line in proc.stdout.splitlines()), proc.returncode
 
 
 def dry_run(steps: tuple[Step, ...], collect: bool) -> int:
