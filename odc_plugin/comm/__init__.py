@@ -6,16 +6,8 @@ from typing import Literal, get_args
 
 import torch.distributed as dist
 
-from .base import (
-    ACCUMULATE_METHODS,
-    AccumulateMethod,
-    DelegatingTransport,
-    ODCError,
-    ODCPeerFailedError,
-    ODCTimeoutError,
-    Region,
-    Transport,
-)
+from .base import ACCUMULATE_METHODS, AccumulateMethod, DelegatingTransport, Region, Transport
+from .failure import ODCError, ODCPeerFailedError, ODCTimeoutError
 
 TransportName = Literal["auto", "shm", "cuda_ipc", "nvshmem"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)

@@ -56,7 +56,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import NOTICE_WORDS, SETUP_TIMEOUT_S, Region, Transport, poll
+from .base import SETUP_TIMEOUT_S, Region, Transport, poll
+from .failure import NOTICE_WORDS
 from .select import flat_nvshmem_error
 
 HEADER_BYTES = 64  # int64 fields: [0] element offset, [1] numel, [2] dtype code, [3] region id

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import ODCPeerFailedError, Transport
+from .base import Transport
+from .failure import ODCPeerFailedError
 
 ELEMENTS = 16 * 4096  # per range: whole tiles of the accumulate kernel, so its vector path runs
 ROUNDS = 4

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from . import futex
-from .base import ACCUMULATE_METHODS, SETUP_TIMEOUT_S, ODCPeerFailedError, ODCTimeoutError, Region, Transport
+from .base import ACCUMULATE_METHODS, SETUP_TIMEOUT_S, Region, Transport
+from .failure import ODCPeerFailedError, ODCTimeoutError
 
 _SHM_DIR = "/dev/shm"
 # A region file's name; `creator` is the pid of the process that created it.

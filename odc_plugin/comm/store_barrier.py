@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .base import FailureNotice, ODCPeerFailedError, ODCTimeoutError, first_failure
+from .failure import FailureNotice, ODCPeerFailedError, ODCTimeoutError, first_failure
 
 _PASSED = "ok"
 _FAILED = "failed"

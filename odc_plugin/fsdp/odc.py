@@ -55,8 +55,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..comm import ODCError, ODCPeerFailedError, ODCTimeoutError, Transport
-from ..comm.base import FailureNotice, first_failure, is_positive_finite
+from ..comm.base import is_positive_finite
 from ..comm.calibrate import Bucket, TransportCalibration, calibrate
+from ..comm.failure import FailureNotice, first_failure
 from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
 from ._fsdp_internals import AllGather, ReduceScatter

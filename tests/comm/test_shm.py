@@ -70,7 +70,7 @@ def test_a_failure_notice_fails_the_waiting_peers_at_once_and_recovery_starts_a_
 
 def test_a_barrier_counts_a_peer_only_within_its_round():
     from odc_plugin.comm import Transport
-    from odc_plugin.comm.base import ROUND_SHIFT
+    from odc_plugin.comm.failure import ROUND_SHIFT
 
     recovery, first_of_round_1 = 1 << ROUND_SHIFT, (1 << ROUND_SHIFT) + 1
     assert Transport.arrived(3, 3) and Transport.arrived(4, 3) and not Transport.arrived(2, 3)
