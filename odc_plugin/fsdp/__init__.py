@@ -1,8 +1,9 @@
 """ODC on FSDP2: FSDP's collectives replaced by one-sided gets and accumulates."""
 
 from ..comm import ODCError, ODCPeerFailedError, ODCTimeoutError
+from .config import MiniBatchStats, ODCConfig
 from .mesh import DataParallelMesh, data_parallel_mesh, shard_group
-from .odc import MiniBatchStats, ODCConfig, OnDemandComm, apply_odc
+from .odc import OnDemandComm, apply_odc
 
 __all__ = [
     "DataParallelMesh",

@@ -47,7 +47,6 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,107 +54,18 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..comm import ODCError, ODCPeerFailedError, ODCTimeoutError, Transport
-from ..comm.base import is_positive_finite
 from ..comm.calibrate import Bucket, TransportCalibration, calibrate
 from ..comm.failure import FailureNotice, first_failure
 from ..comm.store_barrier import StoreBarrier
 from . import _fsdp_internals as fsdp_internals
-from ._fsdp_internals import AllGather, ReduceScatter
+from .collectives import GroupLayout, OnDemandAllGather, ScatterAccumulate
+from .config import MiniBatchStats, ODCConfig, ODCMemory
 from .gradients import GradientStorage
 from .mesh import data_parallel_mesh
 
 # apply_odc is collective, so every rank creates its OnDemandComms in the same order: the count names
 # each one's store barrier alike on all of its ranks.
 _INSTANCES = itertools.count()
-
-
-@dataclass(kw_only=True)
-class ODCConfig:
-    """How `apply_odc` runs a model's mini-batches (keyword-only)."""
-
-    barrier_timeout_s: float = 600.0
-    """How long a rank waits for a peer (its published shards, or the end-of-mini-batch barrier) before it
-    fails naming the ranks that did not get there; > 0."""
-
-    gradient_divide_factor: float | None = None
-    """What the summed gradients are divided by; None keeps FSDP2's default, the mean over ranks of each
-    rank's summed micro-batch gradients."""
-
-    lockstep: bool = False
-    """A barrier before every gather and scatter inside the mini-batch: FSDP's per-layer synchronization on
-    ODC's transport, the baseline that isolates what removing the barriers buys (benchmarks only; like
-    FSDP it needs every rank to run the same micro-batches through the same modules)."""
-
-    trains: bool = True
-    """Whether the model is trained. False for a model only ever run forward (a reference model, a user of
-    `begin(backward=False)` alone): it gets no gradient accumulator, so ODC adds only the published shards
-    to FSDP2's memory, and a backward mini-batch is refused."""
-
-    def __post_init__(self):
-        for name in ("lockstep", "trains"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"ODCConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if not is_positive_finite(self.barrier_timeout_s):
-            raise ValueError(f"ODCConfig.barrier_timeout_s must be a finite number > 0, got {self.barrier_timeout_s!r}")
-        if self.gradient_divide_factor is not None and not is_positive_finite(self.gradient_divide_factor):
-            factor = self.gradient_divide_factor
-            raise ValueError(f"ODCConfig.gradient_divide_factor must be a finite number > 0 or None, got {factor!r}")
-
-
-@dataclass
-class MiniBatchStats:
-    compute_s: float = 0.0  # begin -> arrival at the barrier
-    wait_s: float = 0.0  # time in the barrier
-
-
-@dataclass(frozen=True)
-class ODCMemory:
-    """Bytes this rank's ODC holds for one model now (as its transport allocated them), and what they add to
-    stock FSDP2's memory. Released (`OnDemandComm.release`), only `control` is left."""
-
-    published: int
-    """The parameter shards in the all-gather dtype, which peers get from, and their flag."""
-    accumulator: int
-    """The fp32 gradient accumulator and its used flags; 0 for a forward-only model."""
-    scratch: int
-    """The zeros `.grad` points at during a backward mini-batch (the largest shard; 0 outside one), and the
-    ones the used flags are added from."""
-    staging: int
-    """The transport's staging buffers, held while any region is (nvshmem's accumulate slots); else 0."""
-    control: int
-    """The transport's control words (arrival flags, doorbells, failure notices), held from start to close."""
-    grad_storage: int
-    """Bytes of sharded `.grad` that FSDP2 would hold and ODC does not, the accumulator being their
-    storage (fp32 parameters); 0 when `.grad` is a copy (another parameter dtype) or there is none."""
-    shard_numel: int
-    """Elements of this rank's parameter shards."""
-
-    @property
-    def regions(self) -> int:
-        """Everything but the control words: what ODC holds for the model, 0 once released."""
-        return self.published + self.accumulator + self.scratch + self.staging
-
-    @property
-    def held(self) -> int:
-        """Every byte ODC holds for the model, its transport's control words included."""
-        return self.regions + self.control
-
-    @property
-    def extra_bytes_per_param(self) -> float:
-        """What ODC adds to FSDP2 (its control words aside), per element of this rank's shards."""
-        return (self.regions - self.grad_storage) / max(self.shard_numel, 1)
-
-
-@dataclass(frozen=True)
-class _GroupLayout:
-    """Where one FSDP parameter group lives in the symmetric regions."""
-
-    group: object  # FSDPParamGroup
-    param_offset: int  # bytes into the params region
-    param_nbytes: int
-    grad_offset: int  # elements into the grads region
-    used_offset: int  # elements into the used flags, one per slot, which follow the accumulators
-    slots: list[fsdp_internals.ParamSlot]
 
 
 class OnDemandComm:
@@ -184,7 +94,7 @@ class OnDemandComm:
         self.build_s = 0.0  # seconds spent in build() and release() so far
         self.minibatch_memory: ODCMemory | None = None  # memory_bytes() in the last mini-batch
         # FSDP reduce-scatter inputs whose accumulates are issued, each with an event recorded after them
-        # (GPU only): held until the compute stream waits for that event (_ScatterAccumulate.allocate).
+        # (GPU only): held until the compute stream waits for that event (ScatterAccumulate.allocate).
         self._sent: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._waits_at_backward_end = False  # whether the running backward ends with _end_of_backward
 
@@ -216,7 +126,7 @@ class OnDemandComm:
             ranks = self.mesh.ranks
             name = f"{next(_INSTANCES)}-{hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]}"
             self._replicas = StoreBarrier(ranks, dist.get_rank(), name)
-        self.layouts: list[_GroupLayout] = []
+        self.layouts: list[GroupLayout] = []
         self._gather_dtype = torch.uint8
         param_bytes = grad_numel = num_slots = 0
         for _, groups in modules_and_groups:
@@ -229,7 +139,7 @@ class OnDemandComm:
                 shard = fsdp_internals.all_gather_input(group)
                 nbytes = shard.numel() * shard.element_size()
                 slots = fsdp_internals.grad_slots(group)
-                self.layouts.append(_GroupLayout(group, param_bytes, nbytes, grad_numel, num_slots, slots))
+                self.layouts.append(GroupLayout(group, param_bytes, nbytes, grad_numel, num_slots, slots))
                 # what gathers move (bytes where a group mixes dtypes): calibrate()'s gathers
                 self._gather_dtype = shard.dtype if shard.dtype != torch.uint8 else self._gather_dtype
                 param_bytes += nbytes
@@ -239,7 +149,7 @@ class OnDemandComm:
         self.params = self.grads = self.published = None  # the regions (build)
         self._gradients: GradientStorage | None = None
         self._ones: torch.Tensor | None = None  # added into the used flags
-        self._scatters: list[_ScatterAccumulate] = []  # with the hooks, below; a failed build() reads it
+        self._scatters: list[ScatterAccumulate] = []  # with the hooks, below; a failed build() reads it
         self.build()
         if self.grads is not None:
             device = self.grads.local.device
@@ -259,9 +169,9 @@ class OnDemandComm:
                 if not groups:
                     continue  # an FSDP module whose parameters all belong to its children
                 layout = layout_of[id(groups[0])]
-                scatter = _ScatterAccumulate(self, layout)
+                scatter = ScatterAccumulate(self, layout)
                 self._scatters.append(scatter)
-                module.set_custom_all_gather(_OnDemandAllGather(self, layout))
+                module.set_custom_all_gather(OnDemandAllGather(self, layout))
                 module.set_custom_reduce_scatter(scatter)
                 # Plain sums reach the hook; ODC divides once, at the end of the mini-batch.
                 module.set_force_sum_reduction_for_comms(True)
@@ -595,141 +505,6 @@ class OnDemandComm:
         """Release the transport; later calls are refused. Safe to call twice."""
         self._closed = True
         self.transport.close()
-
-
-class _BufferAlloc:
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-
-class _OnDemandAllGather(_BufferAlloc, AllGather):
-    """FSDP all-gather replaced by gets from each owner's published shard."""
-
-    def __init__(self, odc: OnDemandComm, layout: _GroupLayout):
-        self.odc, self.layout = odc, layout
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        odc, layout = self.odc, self.layout
-        if not odc.in_minibatch:
-            # Outside a mini-batch (evaluation, a stray forward) every rank takes part, as in stock FSDP2.
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        chunks = output_tensor.view(odc.world_size, -1)
-        if chunks[0].numel() * chunks.element_size() != layout.param_nbytes:
-            raise RuntimeError("FSDP's all-gather layout changed after apply_odc(); call apply_odc() again")
-        if odc.config.lockstep:
-            odc.transport.barrier(odc.config.barrier_timeout_s)
-        for peer in odc.peers():
-            odc.wait_published(peer)
-            odc.transport.get(odc.params, peer, layout.param_offset, chunks[peer].view(torch.uint8))
-        return None
-
-
-class _ScatterAccumulate(_BufferAlloc, ReduceScatter):
-    """FSDP reduce-scatter replaced by accumulates into each owner's gradient accumulator.
-
-    FSDP's input holds only the parameters this rank has a gradient for; which ones is known only as FSDP
-    calls `reduced` for each of them, right after this hook. So the hook keeps the input, and the
-    accumulates go out once those calls have covered all of it.
-
-    On a GPU the accumulates run on the reduce-scatter stream, after the event FSDP records when this hook
-    returns, which is all the compute stream waits for: FSDP would hand the input back to the caching
-    allocator, for the next layer's backward, while the accumulates still read it. So ODC holds the input
-    past them, with an event recorded after them, and the next group's reduce-scatter (its `allocate` of
-    the input, on the compute stream), or else the end of the backward, makes compute wait for that event
-    before letting go: compute never runs more than one group ahead of the accumulates, and the inputs in
-    flight stay as few as FSDP2's own (one), however far the accumulates lag. The memory is reused in
-    stream order, as FSDP2 reuses its own inputs, not held back for another stream (record_stream).
-    """
-
-    def __init__(self, odc: OnDemandComm, layout: _GroupLayout):
-        self.odc, self.layout = odc, layout
-        self._input: torch.Tensor | None = None
-        self._reduced: list[int] = []  # slot indices, in FSDP's order
-        self._covered = 0  # elements of one rank's chunk that those slots fill
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # FSDP allocates the input on the compute stream, the output on the reduce-scatter stream.
-        if self.odc._sent and fsdp_internals.on_compute_stream(self.layout.group, device):
-            self.odc._wait_for_sent(torch.cuda.current_stream(device))
-        return super().allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        odc = self.odc
-        if op != dist.ReduceOp.SUM:
-            raise RuntimeError(f"ODC expects FSDP to hand it a SUM reduce-scatter, got {op}")
-        if not odc.in_minibatch:
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
-            if odc.mesh.replicate_group is not None:
-                dist.all_reduce(output_tensor, group=odc.mesh.replicate_group)
-            output_tensor.div_(odc.divide_factor)  # FSDP was told to divide nothing itself
-            return None
-        if not odc._backward:
-            raise RuntimeError(
-                "a backward inside a forward-only ODC mini-batch (begin(backward=False)); begin a backward one"
-            )
-        self.check_sent()
-        self._input = input_tensor.view(odc.world_size, -1)
-        self._reduced, self._covered = [], 0
-        # FSDP adds the output into `.grad`; the real gradient arrives from the accumulator at end().
-        output_tensor.zero_()
-        return None
-
-    def discard(self) -> None:
-        """Drop a reduce-scatter a failed mini-batch left half reported."""
-        self._input, self._reduced, self._covered = None, [], 0
-
-    def check_sent(self) -> None:
-        if self._input is not None:
-            raise RuntimeError(
-                "FSDP did not report which parameters a reduce-scatter held; ODC does not support this torch version"
-            )
-
-    def reduced(self, index: int, param) -> None:
-        """FSDP reduced slot `index` (a post-accumulate-grad hook of its sharded parameter)."""
-        if self._input is None:
-            return  # a reduce-scatter outside a mini-batch, or autograd writing a sharded `.grad` itself
-        self._reduced.append(index)
-        self._covered += self.layout.slots[index].padded_numel
-        if self._covered > self._input.shape[1]:
-            raise RuntimeError("FSDP's reduce-scatter layout changed after apply_odc(); call apply_odc() again")
-        if self._covered == self._input.shape[1]:
-            self._send()
-
-    def _send(self) -> None:
-        odc, layout, chunks = self.odc, self.layout, self._input
-        if odc.config.lockstep:
-            odc.transport.barrier(odc.config.barrier_timeout_s)
-        # Consecutive slots are contiguous in both FSDP's input and the accumulator: one accumulate per
-        # run of them (a single run, the whole group, when every parameter got a gradient).
-        runs: list[tuple[int, int, int]] = []  # (first slot, slots, column in the input)
-        column = 0
-        for index in self._reduced:
-            if runs and runs[-1][0] + runs[-1][1] == index:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
-            else:
-                runs.append((index, 1, column))
-            column += layout.slots[index].padded_numel
-        for peer in [odc.rank, *odc.peers()]:
-            odc.wait_published(peer)
-            for first, count, column in runs:
-                start, last = layout.slots[first], layout.slots[first + count - 1]
-                numel = last.offset + last.padded_numel - start.offset
-                odc.transport.accumulate(
-                    odc.grads, peer, layout.grad_offset + start.offset, chunks[peer, column : column + numel]
-                )
-                odc.transport.accumulate(
-                    odc.grads, peer, odc.grad_numel + layout.used_offset + first, odc._ones[:count]
-                )
-        if chunks.is_cuda:
-            # Held, with what the compute stream will wait for, until the next reduce-scatter or the end of the
-            # backward (see the class).
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(chunks.device))
-            if not odc._waits_at_backward_end:
-                odc._waits_at_backward_end = True
-                fsdp_internals.at_end_of_backward(odc._end_of_backward)
-            odc._sent.append((chunks, event))
-        self._input = None  # the accumulates reading it are issued
 
 
 def apply_odc(model: nn.Module, transport: Transport, config: ODCConfig | None = None) -> OnDemandComm:

@@ -5,7 +5,7 @@ FSDP2 records its reduce-scatter event right after the custom reduce-scatter ret
 compute stream has passed that event the buffer may be handed out again; ODC's accumulates are issued
 later, from the post-accumulate-grad hooks, on the reduce-scatter stream. So ODC holds the input, with an
 event recorded after its accumulates, until the next reduce-scatter makes the compute stream wait for that
-event (odc.py, _ScatterAccumulate). Without it a lagging reduce-scatter stream would read a buffer the next
+event (collectives.py, ScatterAccumulate). Without it a lagging reduce-scatter stream would read a buffer the next
 layer's backward already writes into. (The memory this bound keeps: tests/fsdp/test_odc_memory.py.)
 """
 
