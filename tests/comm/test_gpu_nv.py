@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from odc_plugin.comm.nvshmem import StagingConfig
+from odc_plugin.comm.nvshmem_staging import StagingConfig
 from odc_plugin.launch import run_ranks
 
 from . import transport_workers

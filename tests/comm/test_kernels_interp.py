@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import torch
 
-from odc_plugin.comm.nvshmem import HEADER_BYTES, pack_slot
+from odc_plugin.comm.nvshmem_staging import HEADER_BYTES, pack_slot
 from odc_plugin.comm.slots import Slots
 from odc_plugin.comm.tiling import PROGRAMS, TILE
 

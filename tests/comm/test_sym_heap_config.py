@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from odc_plugin.comm.nvshmem import (
+from odc_plugin.comm.nvshmem_staging import (
     DEFAULT_HEAP_BYTES,
     HEAP_RESERVE,
     StagingConfig,
