@@ -27,6 +27,7 @@ import functools
 import sys
 
 import numpy as np
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 # verl's SFT trainer modules, and what odc changes in their trainers (`trainer_class`)
 SPMD_MODULE = "verl.trainer.sft_trainer"
@@ -118,16 +119,16 @@ class _ODCSFT:
         if self._lb_mini is None:
             return
         from torch.utils.data import DistributedSampler
-        from torchdata.stateful_dataloader import StatefulDataLoader
 
-        # verl's samplers over dp ranks, interleaved: one sampler, the same seed, batches of the global size
+        # verl's samplers over dp ranks, interleaved: one sampler, the same seed, dp batches at a time
         self.train_sampler = DistributedSampler(
             self.train_dataset, shuffle=True, num_replicas=1, rank=0, drop_last=True
         )
         loader = self.train_dataloader
-        self.train_dataloader = StatefulDataLoader(
+        self.train_dataloader = GlobalBatchLoader(
+            self.engine.get_data_parallel_size(),
             dataset=self.train_dataset,
-            batch_size=self.global_batch_size,
+            batch_size=self.train_batch_size_per_dp * self.engine.get_data_parallel_size(),
             sampler=self.train_sampler,
             collate_fn=self.collate_fn,
             num_workers=loader.num_workers,
@@ -176,7 +177,12 @@ class _ODCSFT:
         plan, fit = self._plan
         metrics = plan_metrics(plan, global_lengths, fit or self._lb_mini.cost, "odc_balance")
         if fit is not None:
-            metrics.update({"odc_balance/fit_error": fit.error, "odc_balance/rank_speed_min": min(fit.speeds)})
+            slowest = min(range(plan.dp_size), key=lambda r: fit.speeds[r])
+            tokens = [sum(global_lengths[p] for p in share) for share in plan.steps[0]]
+            metrics["odc_balance/fit_error"] = fit.error
+            metrics["odc_balance/rank_speed_min"] = fit.speeds[slowest]
+            # below 1: the rank the fit finds slowest trains fewer tokens than the mean
+            metrics["odc_balance/slowest_rank_tokens"] = tokens[slowest] * plan.dp_size / sum(tokens)
         return metrics
 
 
@@ -204,6 +210,34 @@ class _PlannedClient:
                 metrics.update(trainer._balance_metrics(lengths))
         trainer._plan = None
         return output
+
+
+class GlobalBatchLoader(StatefulDataLoader):
+    """A loader of the global batch whose state is saved and loaded as one data-parallel rank's loader's
+    under fsdp2 (the samples its sampler has yielded counted per rank), so that a checkpoint of either
+    strategy resumes under the other at the same step."""
+
+    def __init__(self, dp_size: int, **kwargs):
+        self._dp_size = dp_size
+        super().__init__(**kwargs)
+
+    def state_dict(self):
+        return _samples_yielded_scaled(super().state_dict(), 1, self._dp_size)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(_samples_yielded_scaled(state_dict, self._dp_size, 1))
+
+
+def _samples_yielded_scaled(state: dict, num: int, den: int) -> dict:
+    sampler = state.get("_sampler_iter_state")
+    if sampler is None:
+        return state
+    if "samples_yielded" not in sampler or sampler["samples_yielded"] * num % den:
+        raise ValueError(
+            f"odc: the SFT data loader's state {sampler} is not one odc can carry between strategies (torchdata's "
+            f"samples_yielded, a whole number per rank); resume with the strategy that saved it"
+        )
+    return {**state, "_sampler_iter_state": {**sampler, "samples_yielded": sampler["samples_yielded"] * num // den}}
 
 
 def flatten_odc_metrics(metrics: dict) -> None:
