@@ -255,15 +255,20 @@ class _ODCEngineMixin:
         last = tu.get_non_tensor_data(data=data, key="update_lr_scheduler", default=True)
         # A pass without a loss (log-probs, values) has no metrics to fold, and verl's trainer keeps none of its
         # metrics: no collective for them (one costs ~0.1 s among 32 processes on 2 cores: odc-grpo-cpu --emulate)
+        metrics = output.get("metrics") if isinstance(output, dict) else None
+        if not isinstance(metrics, dict):
+            # verl's engine hands back whatever its post-processing gives; odc reports into a dict only, and still
+            # runs its collectives, as every rank does
+            metrics = {}
         if loss_function is not None:
-            self._fold_metrics_over_ranks(output["metrics"])
-            output["metrics"].update(self._odc_metrics(stats, len(micro_batches), last))
+            self._fold_metrics_over_ranks(metrics)
+            metrics.update(self._odc_metrics(stats, len(micro_batches), last))
         if clock.timed:
             # the fit after the update's last mini-batch plans the next step
             fit = self._refit(clock.seconds())
-            output["metrics"].update(fit if last else {})
+            metrics.update(fit if last else {})
         if self.expert_routing is not None and not forward_only:
-            output["metrics"].update(self._routing_metrics())
+            metrics.update(self._routing_metrics())
         return output
 
     def _batch_num_tokens(self, data):

@@ -44,6 +44,7 @@ def _body(rank, world_size, model_dir, ckpt_dir):
         else:
             res["metrics"] = H.actor_update(actor, even)
         res["micro_batches"] = len(calls)
+        res["list_metrics"] = _pass_with_list_metrics(actor, even)
         res["actor_after"] = H.full_state_dict(actor)
         res["exported_after"] = H.exported_weights(actor)
         actor.engine.save_checkpoint(os.path.join(ckpt_dir, strategy), global_step=1)
@@ -73,6 +74,40 @@ def _body(rank, world_size, model_dir, ckpt_dir):
     return out
 
 
+def _pass_with_list_metrics(worker, batch) -> str:
+    """A forward pass with its loss whose post-processing hands its metrics back as a list, as a user's may:
+    verl's engine returns them as they are; the type the engine returned (the worker, which reads a dict,
+    gets them back as one)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp import transformer_impl
+
+    import odc_plugin.verl.engine as odc_engine
+
+    returned = []
+    engine_infer = worker.engine.infer_batch
+
+    def infer_batch(data, loss_function=None):
+        out = engine_infer(data, loss_function=loss_function)
+        returned.append(type(out["metrics"]).__name__)
+        out["metrics"] = out["metrics"][0]
+        return out
+
+    def as_list(postprocess):
+        return lambda **kw: {**(out := postprocess(**kw)), "metrics": [out["metrics"]]}
+
+    saved = odc_engine.postprocess_batch_func, transformer_impl.postprocess_batch_func
+    odc_engine.postprocess_batch_func, transformer_impl.postprocess_batch_func = map(as_list, saved)
+    worker.engine.infer_batch = infer_batch
+    try:
+        data = batch.clone()
+        tu.assign_non_tensor(data, compute_loss=True)
+        worker.infer_batch(data)
+    finally:
+        odc_engine.postprocess_batch_func, transformer_impl.postprocess_batch_func = saved
+        del worker.engine.infer_batch
+    return returned[0]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     model_dir = H.make_tiny_qwen2(str(tmp_path_factory.mktemp("model")))
@@ -83,6 +118,10 @@ def runs(tmp_path_factory):
 def test_registry_gives_odc_engines(runs):
     assert runs[0]["odc"]["engine"] == "ODCEngineWithLMHead"
     assert runs[0]["fsdp2"]["engine"] == "FSDPEngineWithLMHead"
+
+
+def test_a_post_processing_that_returns_a_list_of_metrics_passes_as_under_fsdp2(runs):
+    assert [r[s]["list_metrics"] for r in runs for s in ("fsdp2", "odc")] == ["list"] * 4
 
 
 def test_ranks_ran_different_micro_batch_counts_under_odc(runs):
