@@ -14,17 +14,20 @@ Two kinds, applied differently:
   replaces a verl function in place, only with VERL_PLATFORM=cpu (odc_plugin/verl/cpu), and only when
   its `TARGET` module is imported (`apply_after_import`), never during `import verl` itself.
 
-Each patch module names the verl version it was written against (`VERL_VERSION`) and checks that what
-it builds on still looks as it expects, raising `PatchError` otherwise, so that a verl upgrade fails
-loudly at start-up instead of training wrongly. Another verl version fails odc runs only, at start, in
-one line naming both versions (`require_odc_verl`); the CPU patches then apply where their own checks
-pass, with a warning, since CPU mode serves runs of every strategy.
+All of them are written against one verl, `PATCHED_VERL_VERSION`, which is checked once per process
+(`installed_verl`). Another verl version fails odc runs only, at start, in one line naming both versions
+(`require_odc_verl`); the CPU patches then apply where their own checks pass, after one warning, since CPU
+mode serves runs of every strategy. Each patch checks that what it builds on still looks as it expects,
+raising `PatchError` otherwise, so that a verl upgrade fails loudly at start-up instead of training wrongly.
+A patch that replaces an attribute of verl's does it through `replace_attr`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+from collections.abc import Callable
 
 PATCHED_VERL_VERSION = "0.9.1"
 
@@ -52,35 +55,36 @@ class PatchError(RuntimeError):
 
 
 logger = logging.getLogger(__name__)
-_warned_versions: set[str] = set()
+
+
+@functools.cache
+def installed_verl() -> str:
+    """verl's version, read once per process: every patch of the process is checked against this one."""
+    import verl
+
+    return verl.__version__
 
 
 def require_odc_verl() -> None:
     """An odc run's start: PatchError, in one line naming both versions, unless verl is the patched one."""
-    import verl
-
-    if verl.__version__ != PATCHED_VERL_VERSION:
+    if installed_verl() != PATCHED_VERL_VERSION:
         raise PatchError(
             f"strategy=odc needs verl {PATCHED_VERL_VERSION}, the version odc-verl's patches of verl were written "
-            f"for, but verl {verl.__version__} is installed; install verl=={PATCHED_VERL_VERSION} for odc runs "
+            f"for, but verl {installed_verl()} is installed; install verl=={PATCHED_VERL_VERSION} for odc runs "
             f"(runs of other strategies do not use the patches)"
         )
 
 
-def require_verl_version(patch: str, version: str = PATCHED_VERL_VERSION) -> None:
-    """A patch module's version check: PatchError for a patch of odc runs; for a CPU patch one warning per
-    process, and the patch applies if its own checks pass (CPU mode serves fsdp2 runs too, which another
-    verl version must not fail)."""
-    import verl
-
-    if verl.__version__ == version:
-        return
-    message = f"odc patch '{patch}' targets verl {version}, but verl {verl.__version__} is installed"
-    if patch not in CPU_PATCHES:
-        raise PatchError(message)
-    if verl.__version__ not in _warned_versions:
-        _warned_versions.add(verl.__version__)
-        logger.warning("%s; the CPU patches apply where their checks of verl pass (VERL_PLATFORM=cpu)", message)
+@functools.cache
+def _warn_unless_patched_verl() -> None:
+    """Before the CPU patches: one warning per process on another verl, which must not fail fsdp2 runs."""
+    if installed_verl() != PATCHED_VERL_VERSION:
+        logger.warning(
+            "odc's CPU patches target verl %s, but verl %s is installed; they apply where their checks of verl "
+            "pass (VERL_PLATFORM=cpu)",
+            PATCHED_VERL_VERSION,
+            installed_verl(),
+        )
 
 
 def require_attr(owner, name: str, patch: str):
@@ -88,6 +92,19 @@ def require_attr(owner, name: str, patch: str):
     if not hasattr(owner, name):
         raise PatchError(f"odc patch '{patch}': {getattr(owner, '__name__', owner)}.{name} is gone in this verl")
     return getattr(owner, name)
+
+
+def replace_attr(owner, name: str, patch: str, make: Callable[[object], object]) -> None:
+    """Replace verl's `owner.name` by `make(current)`, once: a second call finds it replaced and does nothing.
+    `make` checks what it builds on (PatchError) and returns the replacement, which gets the replaced one's
+    name, docstring and attributes (verl's dispatch registration among them)."""
+    current = require_attr(owner, name, patch)
+    if getattr(current, "_odc_patched", False):
+        return
+    replacement = make(current)
+    functools.update_wrapper(replacement, current, updated=() if isinstance(current, type) else ("__dict__",))
+    replacement._odc_patched = True
+    setattr(owner, name, replacement)
 
 
 def parameters(fn) -> list[str]:
@@ -118,12 +135,10 @@ def odc_subclass(kind: str, base: type, name: str, module: str, mixins: tuple[ty
 
 def apply_all(names: tuple[str, ...] = CPU_PATCHES) -> list[str]:
     """Apply the CPU patches `names` now (each once); returns the names applied."""
-    applied = []
+    _warn_unless_patched_verl()
     for name in names:
-        module = importlib.import_module(f"{__name__}.{name}")
-        module.apply()
-        applied.append(name)
-    return applied
+        importlib.import_module(f"{__name__}.{name}").apply()
+    return list(names)
 
 
 def apply_after_import(after_import, names: tuple[str, ...] = CPU_PATCHES) -> None:
@@ -131,4 +146,9 @@ def apply_after_import(after_import, names: tuple[str, ...] = CPU_PATCHES) -> No
     callback)` (see odc_plugin/verl/imports.py)."""
     for name in names:
         module = importlib.import_module(f"{__name__}.{name}")
-        after_import(module.TARGET, module.apply)
+        after_import(module.TARGET, functools.partial(_apply_checked, module.apply))
+
+
+def _apply_checked(apply: Callable[[], None]) -> None:
+    _warn_unless_patched_verl()
+    apply()

@@ -1,8 +1,8 @@
 """A batch of the same rollouts arrives in the same order in every CPU run.
 
-verl 0.9.1's v1 trainer names each prompt with `uuid.uuid4()` (`trainer/ppo/v1/trainer_base.py:1476`,
+verl 0.9.1's v1 trainer names each prompt with `uuid.uuid4()` (`trainer/ppo/v1/trainer_base.py`,
 and 1051 for validation) and its replay buffer hands the trainer a batch in the order the trajectories
-reached TransferQueue (`trainer/ppo/v1/replay_buffer.py:394-406`, `_materialize_batch`), which is the
+reached TransferQueue (`trainer/ppo/v1/replay_buffer.py`, `_materialize_batch`), which is the
 order in which the agent loop's concurrent requests happened to finish. `_balance_batch` partitions the
 batch in that order, and with several mini-batches per step the order decides which samples each
 optimizer step trains on. Two runs of the same job (an fsdp2 run and an odc run) would then train
@@ -25,21 +25,19 @@ import itertools
 import types
 import uuid
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "cpu_batch_order"
 TARGET = "verl.trainer.ppo.v1.trainer_base"
 REPLAY_BUFFER_MODULE = "verl.trainer.ppo.v1.replay_buffer"
 
 
 def _prompt(key: str) -> str:
-    """The prompt of a TransferQueue key `{uid}_{session}_{index}` (agent_loop_tq.py:178-181)."""
+    """The prompt of a TransferQueue key `{uid}_{session}_{index}` (agent_loop_tq.py)."""
     return key.rsplit("_", 2)[0]
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     import importlib
 
     trainer_base = importlib.import_module(TARGET)

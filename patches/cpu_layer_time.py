@@ -12,21 +12,19 @@ since `odc` builds through verl's own method) gets decoder layers timed by a `Co
   every mini-batch it runs (phase, micro-batches) for the planner's prediction and the idle time.
 
 verl 0.9.1 builds the sharded module in `FSDPEngine._build_fsdp_module(self, module)`
-(`verl/workers/engine/fsdp/transformer_impl.py:385`); this patch wraps it. Applied only with
+(`verl/workers/engine/fsdp/transformer_impl.py`); this patch wraps it. Applied only with
 VERL_PLATFORM=cpu, and it does nothing without either variable.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import time
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, replace_attr, require_attr
 from odc_plugin.verl.cpu import SLOW_RANKS_ENV
 
-VERL_VERSION = "0.9.1"
 NAME = "cpu_layer_time"
 TARGET = "verl.workers.engine.fsdp.transformer_impl"
 
@@ -87,13 +85,18 @@ def _time_engine(engine, emulator, emulation) -> None:
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     from verl.workers.engine.fsdp import transformer_impl
 
     engine = require_attr(transformer_impl, "FSDPEngine", NAME)
-    build = require_attr(engine, "_build_fsdp_module", NAME)
-    if getattr(build, "_odc_patched", False):
-        return
+
+    def timed_layers(build):
+        _check_engine(engine, build)
+        return _timed_layers(build)
+
+    replace_attr(engine, "_build_fsdp_module", NAME, timed_layers)
+
+
+def _check_engine(engine, build) -> None:
     if list(inspect.signature(build).parameters) != ["self", "module"]:
         raise PatchError(
             f"odc patch '{NAME}': FSDPEngine._build_fsdp_module{inspect.signature(build)} is not (self, module)"
@@ -108,7 +111,8 @@ def apply() -> None:
                 f"odc patch '{NAME}': FSDPEngine.{method}({', '.join(found)}) is not ({', '.join(params)})"
             )
 
-    @functools.wraps(build)
+
+def _timed_layers(build):
     def _build_fsdp_module(self, module):
         module = build(self, module)
         from odc_plugin.verl.cpu.emulation import Emulation
@@ -132,5 +136,4 @@ def apply() -> None:
             _time_engine(self, emulator, emulation)
         return module
 
-    _build_fsdp_module._odc_patched = True
-    engine._build_fsdp_module = _build_fsdp_module
+    return _build_fsdp_module

@@ -11,12 +11,10 @@ pass "gloo"); the SPMD SFT trainer (`torchrun -m verl.trainer.sft_trainer`) call
 
 from __future__ import annotations
 
-import functools
 import inspect
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, replace_attr, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "cpu_process_group"
 TARGET = "verl.workers.engine_workers"
 DUPLICATE_CPU = "cpu:gloo,cpu:gloo"
@@ -36,10 +34,7 @@ def _check(fn, params: list[str]) -> None:
         )
 
 
-def _patch_ray_set_up(distributed, engine_workers) -> None:
-    current = require_attr(engine_workers, "initialize_global_process_group_ray", NAME)
-    if getattr(current, "_odc_patched", False):
-        return
+def _gloo_ray_set_up(distributed, current):
     if current is not require_attr(distributed, "initialize_global_process_group_ray", NAME):
         raise PatchError(
             f"odc patch '{NAME}': engine_workers.initialize_global_process_group_ray is not "
@@ -47,22 +42,16 @@ def _patch_ray_set_up(distributed, engine_workers) -> None:
         )
     _check(current, ["timeout_second", "backend"])
 
-    @functools.wraps(current)
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         return current(timeout_second=timeout_second, backend=backend or "gloo")
 
-    initialize_global_process_group_ray._odc_patched = True
-    engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray
+    return initialize_global_process_group_ray
 
 
-def _patch_spmd_set_up(distributed) -> None:
-    current = require_attr(distributed, "initialize_global_process_group", NAME)
-    if getattr(current, "_odc_patched", False):
-        return
+def _gloo_spmd_set_up(current):
     _check(current, ["timeout_second"])
     import torch.distributed as dist
 
-    @functools.wraps(current)
     def initialize_global_process_group(timeout_second=36000):
         init = dist.init_process_group
 
@@ -75,14 +64,17 @@ def _patch_spmd_set_up(distributed) -> None:
         finally:
             dist.init_process_group = init
 
-    initialize_global_process_group._odc_patched = True
-    distributed.initialize_global_process_group = initialize_global_process_group
+    return initialize_global_process_group
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     from verl.utils import distributed
     from verl.workers import engine_workers
 
-    _patch_ray_set_up(distributed, engine_workers)
-    _patch_spmd_set_up(distributed)
+    replace_attr(
+        engine_workers,
+        "initialize_global_process_group_ray",
+        NAME,
+        lambda current: _gloo_ray_set_up(distributed, current),
+    )
+    replace_attr(distributed, "initialize_global_process_group", NAME, _gloo_spmd_set_up)

@@ -9,30 +9,27 @@ and update; none at the first call). Every strategy alike; applied only with VER
 
 from __future__ import annotations
 
-import functools
 import inspect
 import time
 
-from odc_patches import PatchError, parameters, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, replace_attr, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "cpu_sft_step_time"
 TARGET = "verl.workers.engine_workers"
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     from verl.workers import engine_workers
 
     worker = require_attr(engine_workers, "TrainingWorker", NAME)
-    current = require_attr(worker, "train_batch", NAME)
-    if getattr(current, "_odc_patched", False):
-        return
+    replace_attr(worker, "train_batch", NAME, _timed)
+
+
+def _timed(current):
     found = parameters(inspect.unwrap(current))  # under verl's register and profiler decorators
     if found != ["self", "data"]:
         raise PatchError(f"odc patch '{NAME}': TrainingWorker.train_batch({', '.join(found)}) is not (self, data)")
 
-    @functools.wraps(current)
     def train_batch(self, data):
         start = time.perf_counter()
         output = current(self, data)
@@ -47,5 +44,4 @@ def apply() -> None:
                 metrics["timing_s/step"] = end - previous
         return output
 
-    train_batch._odc_patched = True
-    worker.train_batch = train_batch
+    return train_batch

@@ -1,7 +1,7 @@
 """On CPU, verl's save of an FSDP2 model's shards is a copy, as it is on a GPU.
 
 verl 0.9.1's separate_async trainer keeps the weights a parameter_sync_step cycle started from, for the
-old log-probs of its later mini-batches, with `fsdp2_sharded_save_to_cpu` (`verl/utils/fsdp_utils.py:1146-1185`,
+old log-probs of its later mini-batches, with `fsdp2_sharded_save_to_cpu` (`verl/utils/fsdp_utils.py`,
 through `DetachActorWorker.save_model_to_cpu`), which takes each parameter's local shard
 `.detach().cpu()`: a copy from a GPU, but on CPU the shard itself. The optimizer then updates the "saved"
 weights in place, and restoring them (`fsdp2_sharded_load_from_cpu`) copies the current weights onto
@@ -12,33 +12,26 @@ With `VERL_PLATFORM=cpu` this patch makes the saved shards copies of their own. 
 
 from __future__ import annotations
 
-import functools
+from odc_patches import PatchError, replace_attr
 
-from odc_patches import PatchError, require_attr, require_verl_version
-
-VERL_VERSION = "0.9.1"
 NAME = "cpu_sharded_save"
 TARGET = "verl.utils.fsdp_utils"
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     import importlib
 
-    fsdp_utils = importlib.import_module(TARGET)
-    save = require_attr(fsdp_utils, "fsdp2_sharded_save_to_cpu", NAME)
-    if getattr(save, "_odc_patched", False):
-        return
-    if "cpu" not in save.__code__.co_names or "_local_tensor" not in save.__code__.co_names:
-        raise PatchError(
-            f"odc patch '{NAME}': fsdp2_sharded_save_to_cpu no longer takes the local shards .cpu(); re-check "
-            f"whether CPU still needs this patch"
-        )
+    def copied_shards(save):
+        if "cpu" not in save.__code__.co_names or "_local_tensor" not in save.__code__.co_names:
+            raise PatchError(
+                f"odc patch '{NAME}': fsdp2_sharded_save_to_cpu no longer takes the local shards .cpu(); re-check "
+                f"whether CPU still needs this patch"
+            )
 
-    @functools.wraps(save)
-    def fsdp2_sharded_save_to_cpu(model):
-        shards, spec = save(model)
-        return {name: (tensor.clone(), shard_spec) for name, (tensor, shard_spec) in shards.items()}, spec
+        def fsdp2_sharded_save_to_cpu(model):
+            shards, spec = save(model)
+            return {name: (tensor.clone(), shard_spec) for name, (tensor, shard_spec) in shards.items()}, spec
 
-    fsdp2_sharded_save_to_cpu._odc_patched = True
-    fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
+        return fsdp2_sharded_save_to_cpu
+
+    replace_attr(importlib.import_module(TARGET), "fsdp2_sharded_save_to_cpu", NAME, copied_shards)

@@ -1,7 +1,7 @@
 """On CPU, Ulysses sequence parallelism exchanges attention heads under SDPA attention too.
 
 verl 0.9.1 does Ulysses' all-to-all only in flash attention: `apply_monkey_patch`
-(`verl/models/transformers/monkey_patch.py:545-551`) swaps transformers' `_flash_attention_forward` for
+(`verl/models/transformers/monkey_patch.py`) swaps transformers' `_flash_attention_forward` for
 `_ulysses_flash_attention_forward`, which gathers the sequence and scatters the heads over the group,
 attends, and swaps back. Flash attention needs a GPU; on CPU the models run SDPA, which verl leaves
 alone, so with `ulysses_sequence_parallel_size` > 1 each rank would attend only within its own slice of
@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import inspect
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "cpu_ulysses_sdpa"
 TARGET = "verl.models.transformers.monkey_patch"  # imports verl.utils.ulysses first
 
@@ -32,7 +31,6 @@ _USES = {
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from verl.models.transformers import monkey_patch

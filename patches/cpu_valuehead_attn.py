@@ -1,6 +1,6 @@
 """On CPU, the critic's value-head model loads with the attention the config asks for.
 
-verl 0.9.1's `load_valuehead_model` (`verl/utils/model.py:641-651`) loads
+verl 0.9.1's `load_valuehead_model` (`verl/utils/model.py`) loads
 `AutoModelForTokenClassification` with `attn_implementation="flash_attention_2"` whatever the model
 config says, and flash-attention needs a GPU. This patch loads it with the config's attention
 (`override_config.attn_implementation`, e.g. sdpa) and otherwise leaves verl's function (its value-head
@@ -9,23 +9,21 @@ fallback included) in charge. Applied only with VERL_PLATFORM=cpu.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, replace_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "cpu_valuehead_attn"
 TARGET = "verl.utils.model"
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     from verl.utils import model as model_utils
 
-    current = require_attr(model_utils, "load_valuehead_model", NAME)
-    if getattr(current, "_odc_patched", False):
-        return
+    replace_attr(model_utils, "load_valuehead_model", NAME, _attention_as_configured)
+
+
+def _attention_as_configured(current):
     params = ["local_path", "torch_dtype", "model_config", "trust_remote_code"]
     if list(inspect.signature(current).parameters) != params:
         raise PatchError(
@@ -37,7 +35,6 @@ def apply() -> None:
             f"re-check whether CPU still needs this patch"
         )
 
-    @functools.wraps(current)
     def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
         from transformers import AutoModelForTokenClassification
 
@@ -52,5 +49,4 @@ def apply() -> None:
             trust_remote_code=trust_remote_code,
         )
 
-    load_valuehead_model._odc_patched = True
-    model_utils.load_valuehead_model = load_valuehead_model
+    return load_valuehead_model

@@ -1,12 +1,12 @@
 """separate_async under strategy=odc: verl's DetachActorWorker saves and restores the odc actor as fsdp2's.
 
 verl 0.9.1's separate_async trainer maps the actor's role to `DetachActorWorker`
-(`trainer/ppo/v1/trainer_separate_async.py:116-128`, `experimental/separation/engine_workers.py`), whose
+(`trainer/ppo/v1/trainer_separate_async.py`, `experimental/separation/engine_workers.py`), whose
 `save_model_to_cpu` / `restore_model_from_cpu` keep the weights a parameter_sync_step cycle started from,
-for the old log-probs of its later mini-batches (`_compute_old_log_prob`, `trainer_separate_async.py:183-206`).
+for the old log-probs of its later mini-batches (`_compute_old_log_prob`, `trainer_separate_async.py`).
 It picks the save and restore functions by the actor's strategy name (`_get_strategy_handlers`,
-`engine_workers.py:59-111`: fsdp; fsdp2 and veomni; megatron; NotImplementedError for any other) and
-unpacks fsdp2's saved state by name again (`restore_model_from_cpu`, 139-159).
+`engine_workers.py`: fsdp; fsdp2 and veomni; megatron; NotImplementedError for any other) and
+unpacks fsdp2's saved state by name again (`restore_model_from_cpu`).
 
 The odc engine's module is FSDP2's (its parameters FSDP2's sharded DTensors; ODC replaces only the
 collectives), so FSDP2's functions cover it: `fsdp2_sharded_save_to_cpu` copies each parameter's local shard,
@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import functools
 
-from odc_patches import PatchError, parameters, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "detach_actor"
 DETACH_MODULE = "verl.experimental.separation.engine_workers"
 # verl's save and restore of an FSDP2 model's shards, which the odc actor's module is
@@ -67,7 +66,6 @@ def extend(kind: str, base: type, members: dict) -> None:
     """The odc DetachActorWorker's save and restore (kind "actor_worker", a subclass of DetachActorWorker)."""
     if kind != "actor_worker":
         return
-    require_verl_version(NAME, VERL_VERSION)
     import importlib
 
     detach = require_attr(importlib.import_module(DETACH_MODULE), "DetachActorWorker", NAME)

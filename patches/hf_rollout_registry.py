@@ -1,23 +1,21 @@
 """Rollout `hf`'s in-worker adapter joins verl's table of rollout classes.
 
 verl 0.9.1 finds the class a training rank builds for `rollout.name` in the private dict
-`_ROLLOUT_REGISTRY[(name, mode)]` (`verl/workers/rollout/base.py:93-112`, read by `get_rollout_class`);
+`_ROLLOUT_REGISTRY[(name, mode)]` (`verl/workers/rollout/base.py`, read by `get_rollout_class`);
 unlike rollout replicas (`RolloutReplicaRegistry.register`) it has no public way in. This patch adds
 `("hf", "async")`. Applied only with VERL_PLATFORM=cpu, where rollout `hf` exists.
 """
 
 from __future__ import annotations
 
-from odc_patches import PatchError, require_attr, require_verl_version
+from odc_patches import PatchError, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "hf_rollout_registry"
 TARGET = "verl.workers.rollout.base"
 ADAPTER = "odc_plugin.verl.cpu.rollout.HFServerAdapter"
 
 
 def apply() -> None:
-    require_verl_version(NAME, VERL_VERSION)
     from verl.workers.rollout import base
 
     registry = require_attr(base, "_ROLLOUT_REGISTRY", NAME)

@@ -1,33 +1,33 @@
 """LB-Mini in verl's v1 trainer: under strategy=odc each rank gets an LB-Mini share of every step.
 
-Stock verl 0.9.1 (`verl/trainer/ppo/v1/trainer_base.py`): `_step_once` (582) balances the batch
-(`_balance_batch`, 1608-1632: padding, then dp equal-count workload-balanced partitions in order), and
+Stock verl 0.9.1 (`verl/trainer/ppo/v1/trainer_base.py`): `_step_once` balances the batch
+(`_balance_batch`: padding, then dp equal-count workload-balanced partitions in order), and
 every stage dispatches it with `make_nd_compute_dataproto_dispatch_fn` (`single_controller/base/
-decorator.py:300`): equal contiguous chunks, one per rank; `TrainingWorker.train_mini_batch` cuts a
-rank's chunk into one piece per optimizer step (`engine_workers.py:273-279`). This patch, for roles whose
+decorator.py`): equal contiguous chunks, one per rank; `TrainingWorker.train_mini_batch` cuts a
+rank's chunk into one piece per optimizer step (`engine_workers.py`). This patch, for roles whose
 engine strategy is `odc` with `odc_balancer=lb_mini`:
 
-* the trainer methods of the stages, `_update_actor` (1827), `_update_critic` (1804),
-  `_compute_old_log_prob` (1634), `_compute_ref_log_prob` (1695) and `_compute_values` (1721), attach a
+* the trainer methods of the stages, `_update_actor`, `_update_critic`,
+  `_compute_old_log_prob`, `_compute_ref_log_prob` and `_compute_values`, attach a
   `PlanRequest` (the role's LB-Mini settings) to the batch's extra_info for the duration of the call;
   afterwards they log the plan's statistics (`odc_balance/*` for the actor's update, `odc_balance/<stage>/*`
   for the others, `plan_s` and `dispatch_s` the driver's seconds planning and splitting the batch by the
   plan) and, for an update, take the `auto` cost's fit from
   the metrics the engine reported (`<role>/odc/fit_*`) for the next plans, logged as `odc_balance/fit_*`,
   `rank_speed_min|max` and the plan's `prediction_error` (its predicted time over the measured one).
-* the dispatch function of `ActorRolloutRefWorker.update_actor` (`workers/engine_workers.py:708`),
-  `compute_log_prob` (700) and `compute_ref_log_prob` (693), and of `TrainingWorker.train_mini_batch`
-  (243) and `infer_batch` (397; the critic's worker group): a batch carrying a request is planned there,
+* the dispatch function of `ActorRolloutRefWorker.update_actor` (`workers/engine_workers.py`),
+  `compute_log_prob` and `compute_ref_log_prob`, and of `TrainingWorker.train_mini_batch`
+  and `infer_batch` (the critic's worker group): a batch carrying a request is planned there,
   in the driver, on exactly what verl would dispatch (`odc_plugin.verl.dispatch.split_by_plan`: verl's
   own chunks and mini-batch iterator give the steps, LB-Mini splits each step over the ranks) and each
   rank gets its samples and, per step, which of them it runs; anything else goes to verl's dispatch
   unchanged.
 
 A mode's override of a stage method around a call of verl's (separate_async's `_compute_old_log_prob`,
-`trainer_separate_async.py:183-206`, saves and restores the actor's weights around it) is wrapped whole: the
+`trainer_separate_async.py`, saves and restores the actor's weights around it) is wrapped whole: the
 request is on the batch when the override reaches verl's method.
 
-`PPOTrainer.init` (214) first probes the losses of the roles on odc (`odc_plugin.verl.dispatch.check_losses`)
+`PPOTrainer.init` first probes the losses of the roles on odc (`odc_plugin.verl.dispatch.check_losses`)
 and refuses one that depends on how samples are packed into micro-batches, before any worker starts.
 
 Both parts are members of the subclasses odc runs use (odc_patches.odc_subclass): the trainer of the run's
@@ -49,9 +49,8 @@ import logging
 import os
 import time
 
-from odc_patches import PatchError, parameters, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "lb_mini_dispatch"
 
 logger = logging.getLogger(__name__)
@@ -186,8 +185,6 @@ def _stage_settings(trainer, stage: str):
 
     Stages: "actor" and "critic" (updates), "old_log_prob", "ref_log_prob" and "values" (forward-only
     passes, planned with their role's training fit).
-
-    Long because it is one branch per stage, each reading that stage's keys from verl's config.
     """
     cache = trainer.__dict__.setdefault("_odc_lb_mini_settings", {})
     if stage in cache:
@@ -215,16 +212,16 @@ def _stage_settings(trainer, stage: str):
         )
     elif stage == "old_log_prob" or (stage == "ref_log_prob" and trainer.ref_in_actor):
         actor = _stage_settings(trainer, "actor")
-        # the actor engine's inference budget (engine_workers.py:619-624)
+        # the actor engine's inference budget (engine_workers.py)
         settings = actor and actor.for_inference(
             roles.rollout.log_prob_max_token_len_per_gpu if actor.max_token_len else None,
             None if actor.max_token_len else roles.rollout.log_prob_micro_batch_size_per_gpu,
         )
     elif stage == "ref_log_prob" and roles.ref.get("strategy") == "odc":
         ref = roles.ref
-        # what init_model gives the reference engine (engine_workers.py:545-584); the actor's fit, same model
+        # what init_model gives the reference engine (engine_workers.py); the actor's fit, same model
         engine = omega_conf_to_dataclass(ref.fsdp_config)
-        object.__setattr__(engine, "strategy", ref.strategy)  # as verl's FSDPActorConfig does (actor.py:321-325)
+        object.__setattr__(engine, "strategy", ref.strategy)  # as verl's FSDPActorConfig does (actor.py)
         own = lb_mini_settings(
             engine,
             use_dynamic_bsz=ref.get("log_prob_use_dynamic_bsz", False),
@@ -236,7 +233,7 @@ def _stage_settings(trainer, stage: str):
         settings = own and (actor or own).for_inference(own.max_token_len, own.micro_batch_size)
     elif stage == "values":
         critic = _stage_settings(trainer, "critic")
-        # verl gives the critic's engine one budget for both (trainer_base.py:266-268)
+        # verl gives the critic's engine one budget for both (trainer_base.py)
         settings = critic and critic.for_inference(critic.max_token_len, critic.micro_batch_size)
     cache[stage] = settings
     return settings
@@ -346,7 +343,6 @@ def _check_trainer(trainer: type) -> None:
 
 def extend(kind: str, base: type, members: dict) -> None:
     """The trainer's stage methods (kind "trainer"), or the worker methods the plan dispatches."""
-    require_verl_version(NAME, VERL_VERSION)
     if kind == "trainer":
         _check_trainer(base)
         members["init"] = _wrap_init(base.init)

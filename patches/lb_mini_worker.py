@@ -1,7 +1,7 @@
 """`TrainingWorker.train_mini_batch` runs the optimizer steps of an LB-Mini plan.
 
-verl 0.9.1 (`verl/workers/engine_workers.py:243-339`) cuts a rank's data into pieces of
-`mini_batch_size // dp` samples with `tu.make_iterator` (273-279: `epochs` passes, shuffled from
+verl 0.9.1 (`verl/workers/engine_workers.py`) cuts a rank's data into pieces of
+`mini_batch_size // dp` samples with `tu.make_iterator` (`epochs` passes, shuffled from
 `seed + dp rank`), one optimizer step each. Under strategy=odc with LB-Mini the driver has already run
 exactly that iterator for every rank and re-split each step's samples over the ranks
 (`odc_plugin/verl/dispatch.py`); each rank receives the samples it needs and, in the non-tensor field
@@ -9,8 +9,8 @@ exactly that iterator for every rank and re-split each step's samples over the r
 that field is there, the TrainingWorker of odc runs (a subclass, odc_patches.odc_subclass) runs those
 steps instead of cutting its data itself (selecting with verl's own `index_select_tensor_dict`, as
 `make_iterator` does); the rest of a step is verl's: the per-sequence token counts all-gathered for
-MFU (292-303), the lr scheduler stepped on the last step only (305-310), `train_batch` per step, the
-profiler step, and the metrics folded over ranks and steps as verl folds them (322-336; a metric an
+MFU, the lr scheduler stepped on the last step only, `train_batch` per step, the
+profiler step, and the metrics folded over ranks and steps as verl folds them (a metric an
 engine reports as one value per rank is kept as such instead of failing verl's flattening).
 `global_batch_size` stays the global mini-batch size, so the loss normalization is unchanged, and
 every rank runs the same number of optimizer steps. Without the field (ODC runs balanced by lb_micro)
@@ -23,7 +23,7 @@ The driver reproduces verl's iterator from what this method does with it; `exten
 method still forms its mini-batches that way (`_ITERATOR_RULES`), so that a verl change fails loudly here
 instead of planning other mini-batches than verl trains on.
 
-The actor reaches this through `ActorRolloutRefWorker.update_actor` (`engine_workers.py:713-715`), the
+The actor reaches this through `ActorRolloutRefWorker.update_actor` (`engine_workers.py`), the
 critic through its own `TrainingWorker` worker group; both therefore train on uneven shares.
 """
 
@@ -33,9 +33,8 @@ import functools
 import inspect
 from itertools import chain
 
-from odc_patches import PatchError, parameters, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "lb_mini_worker"
 
 # Names verl's train_mini_batch uses; if they change the method was rewritten and this patch must be too.
@@ -113,7 +112,6 @@ def extend(kind: str, base: type, members: dict) -> None:
     registered with verl's own dispatch dict (lb_mini_dispatch then plans it)."""
     if kind != "training_worker":
         return
-    require_verl_version(NAME, VERL_VERSION)
     from verl.single_controller.base.decorator import register
 
     attrs, raw = _original(require_attr(base, "train_mini_batch", NAME))
@@ -136,10 +134,7 @@ def extend(kind: str, base: type, members: dict) -> None:
 
 
 def _train_by_steps(self, data, steps: list[list[int]]):
-    """verl's train_mini_batch loop over this rank's shares of the plan's steps (see the module docstring).
-
-    Long because it follows verl's own train_mini_batch step by step, so that the two read side by side.
-    """
+    """verl's train_mini_batch loop over this rank's shares of the plan's steps (see the module docstring)."""
     import torch
     from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu

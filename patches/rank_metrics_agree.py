@@ -1,6 +1,6 @@
 """Under `strategy=odc`, the per-rank readings in a pass's metrics are made the same on every rank.
 
-verl 0.9.1's `TrainingWorker._postprocess_output` (`verl/workers/engine_workers.py:448-500`) gathers the
+verl 0.9.1's `TrainingWorker._postprocess_output` (`verl/workers/engine_workers.py`) gathers the
 loss function's metrics over the data-parallel group, but adds readings each rank takes alone: device
 and host memory (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`,
 `perf/cpu_memory_used_gb`) and `mfu` (from the rank's own elapsed time). The v1 trainer then merges the
@@ -20,9 +20,8 @@ from __future__ import annotations
 import functools
 import inspect
 
-from odc_patches import PatchError, parameters, require_attr, require_verl_version
+from odc_patches import PatchError, parameters, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "rank_metrics_agree"
 
 _PARAMS = ["self", "output", "global_token_num", "delta_time", "forward_only", "images_seqlens"]
@@ -34,7 +33,6 @@ def extend(kind: str, base: type, members: dict) -> None:
     """The odc TrainingWorker's `_postprocess_output`: verl's, then the per-rank readings agreed on."""
     if kind != "training_worker":
         return
-    require_verl_version(NAME, VERL_VERSION)
     current = require_attr(base, "_postprocess_output", NAME)
     found = parameters(current)
     if found != _PARAMS:

@@ -2,9 +2,9 @@
 subclass; and verl's legacy trainer refuses odc.
 
 verl 0.9.1's `main_ppo` builds the v1 trainer in its TaskRunner as
-`get_trainer_cls(config.trainer.v1.trainer_mode)(config=config)` (`verl/trainer/main_ppo.py:150-167`),
+`get_trainer_cls(config.trainer.v1.trainer_mode)(config=config)` (`verl/trainer/main_ppo.py`),
 and with `trainer.use_v1=False` the legacy one as `RayPPOTrainer(config=config, ...)`
-(`verl/trainer/main_ppo_v0.py:218`): the first point at which a process of the run holds the run's
+(`verl/trainer/main_ppo_v0.py`): the first point at which a process of the run holds the run's
 configuration. This patch gives verl's `PPOTrainer` and `RayPPOTrainer` (`TARGETS`), which have no
 `__new__` of their own or in their bases (object's), one that asks
 `odc_plugin.verl.trainer.trainer_class(cls, config)`: a configuration without odc gets `cls` itself, its
@@ -12,9 +12,9 @@ instance made as object.__new__ makes it, and nothing more of this project runs 
 configuration naming odc gets the odc subclass, or fails there in one line (another verl version, a
 trainer mode odc does not support, the legacy trainer).
 
-Why a patch: verl's trainer registry (`register_trainer`, `trainer_base.py:1999`) is keyed by the mode's
+Why a patch: verl's trainer registry (`register_trainer`, `trainer_base.py`) is keyed by the mode's
 name alone, registering another class under a name verl registered raises, and a new name would change
-`trainer.v1.trainer_mode`, which verl also reads for the mode's own settings (`trainer_base.py:130-131`,
+`trainer.v1.trainer_mode`, which verl also reads for the mode's own settings (`trainer_base.py`,
 `151`); so no extension point picks a class by the roles' strategies, and none sees the legacy trainer's
 configuration. Applied in every process on every verl version: it changes nothing for a run without odc,
 and on a verl it cannot apply to (the class gone, or a `__new__` verl defines in the class or any of its
@@ -24,14 +24,12 @@ odc engines' own check at start.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import sys
 
-from odc_patches import require_attr
+from odc_patches import PATCHED_VERL_VERSION, replace_attr, require_attr
 
-VERL_VERSION = "0.9.1"
 NAME = "trainer_choice"
 # where apply_to_script hooks in
 SCRIPT_HOOK = "verl.utils.device"
@@ -65,7 +63,7 @@ def give_choice(trainer: type) -> None:
             NAME,
             trainer.__qualname__,
             owner.__qualname__,
-            VERL_VERSION,
+            PATCHED_VERL_VERSION,
         )
 
 
@@ -86,11 +84,10 @@ def apply_to_script() -> None:
     gives `__main__`'s trainer class the choice, then does what verl's does."""
     from verl.utils import device
 
-    current = require_attr(device, "auto_set_device", NAME)
-    if getattr(current, "_odc_patched", False):
-        return
+    replace_attr(device, "auto_set_device", NAME, _choice_for_main)
 
-    @functools.wraps(current)
+
+def _choice_for_main(current):
     def auto_set_device(*args, **kwargs):
         script = sys.modules.get("__main__")
         name = getattr(getattr(script, "__spec__", None), "name", None)
@@ -98,5 +95,4 @@ def apply_to_script() -> None:
             give_choice(getattr(script, TARGETS[name]))
         return current(*args, **kwargs)
 
-    auto_set_device._odc_patched = True
-    device.auto_set_device = auto_set_device
+    return auto_set_device
