@@ -1,4 +1,4 @@
-"""The accumulate kernel as the transports ran it before issue 29, kept as the benchmarks' baseline.
+"""The unbounded accumulate kernel, kept as the benchmarks' baseline.
 
 One program per 1024 elements (about 28K programs for a 7B model's decoder layer sharded over 8 ranks),
 every sender starting at element 0 of the owner's range, one fp32 atomic add per element. The

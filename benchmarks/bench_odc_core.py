@@ -71,9 +71,7 @@ def _allocated(device) -> int:
 def rank_body(
     rank, world, size, steps, micro_batches, base_len, skew, device, mixed_precision, forward_only=False, names=ROWS
 ):
-    """Each row's s/step per timed mini-batch, and on a GPU its memory (bytes) and the shard's parameter count.
-
-    Long because building, planning and the rows' turns per mini-batch share the rank's state."""
+    """Each row's s/step per timed mini-batch, and on a GPU its memory (bytes) and the shard's parameter count."""
     if device == "cuda":
         torch.cuda.set_device(rank)
     mesh = init_device_mesh(device, (world,))

@@ -4,7 +4,7 @@ other (for a machine with a GPU).
     python benchmarks/bench_transport_gpu.py --gib 1 --worlds 2 3 --programs 16 32 64
 
 The accumulate kernels compared (docs/gpu.md says which of their figures decides the design):
-  old      the kernel before issue 29 (benchmarks/accumulate_v0.py): one program per 1024 elements,
+  old      the unbounded kernel (benchmarks/accumulate_v0.py): one program per 1024 elements,
            one atomic add per element, every sender from element 0
   new/P    the transports' kernel (odc_plugin/comm/kernels.py): at most P programs looping over tiles,
            each sender from its own tile, atomic adds

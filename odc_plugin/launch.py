@@ -175,8 +175,6 @@ def run_ranks(
     `fn` must be importable (a module-level function); `setup`, if given, runs in each rank before the
     process group starts and before `fn`'s module is imported. Raises RankFailed naming the rank that
     failed first; if one fails, the others get `failure_grace_s` to finish, then are killed.
-
-    Long because starting, watching and reaping the ranks is one sequence whose clean-up paths share state.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")

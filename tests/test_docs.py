@@ -39,9 +39,10 @@ NOT_RUN = {
     "python -m pytest": "the test suite itself, of which this test is part",
     "python -m verl.trainer.main_ppo": "a user's own config on GPUs with vLLM; on CPU the same trainer runs "
     "through odc-grpo-cpu, below and in tests/verl",
-    "PYTHONPATH=. python": "the GPU checklist (docs/gpu.md): needs a GPU",
-    "for n in": "the GPU checklist: real compute at 4-16 ranks on a 16-core GPU machine",
-    "python3 benchmarks/gpu_check.py": "needs a GPU; tests/benchmarks/test_gpu_check.py runs its dry run and its runner",
+    "PYTHONPATH=. python": "beside the GPU check (docs/gpu.md): needs a GPU",
+    "for n in": "beside the GPU check: real compute at 4-16 ranks, minutes of a 16-core machine",
+    "python3 benchmarks/gpu_check.py": "needs a GPU; tests/benchmarks/test_gpu_check.py runs its dry run and "
+    "its runner",
     "python examples/preprocess_data.py": "downloads GSM8K and MATH from the Hugging Face Hub",
     "python examples/ab_report.py": "two GPU runs' metrics; tests/verl/test_ab_report.py reports on real ones",
 }

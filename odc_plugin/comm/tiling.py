@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TILE = 4096  # elements one program handles per loop round (256 threads x 16 contiguous elements)
-# Default bound of the grid (an H100 has 132 SMs). 96 by docs/gpu.md's rule, from the H100 runs of
-# 2026-11-25 (benchmarks/gpu_check.py): the smallest bound whose accumulate rate is at least 0.9 of the
-# unbounded old kernel's at 2 and 3 ranks, fp32 and bf16 (0.94x, 1.00x; 1.64x, 1.78x); 64 and 128 fell
-# short at 2 ranks fp32 (0.85x, 0.88x). A bf16 matmul beside it kept 0.78 of its TFLOP/s (old kernel: 0.54).
+# Default bound of the grid (an H100 has 132 SMs): by docs/gpu.md's rule, the bound that comes closest to
+# the old kernel's accumulate rate on H100 and H200 while a matmul beside it keeps most of its throughput
+# (the measurements: docs/results.md).
 PROGRAMS = 96
 
 
