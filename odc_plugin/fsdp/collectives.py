@@ -1,23 +1,20 @@
 """FSDP2's all-gather and reduce-scatter replaced, per parameter group, by ODC's gets and accumulates.
 
-FSDP2 calls these in place of its collectives (`set_custom_all_gather`, `set_custom_reduce_scatter`);
-inside a mini-batch they talk to the owners through the OnDemandComm's transport, outside one they run
-the stock collectives, so evaluation forwards between mini-batches stay as in FSDP2.
+FSDP2 calls these in place of its collectives (`set_custom_all_gather`, `set_custom_reduce_scatter`).
+Inside a mini-batch they reach the owners through the OnDemandComm that installed them (their `odc`: odc.py
+imports this module, not the other way round); outside one they run the stock collectives, so evaluation
+forwards between mini-batches stay as in FSDP2.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import _fsdp_internals as fsdp_internals
 from ._fsdp_internals import AllGather, ReduceScatter
-
-if TYPE_CHECKING:
-    from .odc import OnDemandComm
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,7 @@ class _BufferAlloc:
 class OnDemandAllGather(_BufferAlloc, AllGather):
     """FSDP all-gather replaced by gets from each owner's published shard."""
 
-    def __init__(self, odc: OnDemandComm, layout: GroupLayout):
+    def __init__(self, odc, layout: GroupLayout):
         self.odc, self.layout = odc, layout
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
@@ -76,7 +73,7 @@ class ScatterAccumulate(_BufferAlloc, ReduceScatter):
     stream order, as FSDP2 reuses its own inputs, not held back for another stream (record_stream).
     """
 
-    def __init__(self, odc: OnDemandComm, layout: GroupLayout):
+    def __init__(self, odc, layout: GroupLayout):
         self.odc, self.layout = odc, layout
         self._input: torch.Tensor | None = None
         self._reduced: list[int] = []  # slot indices, in FSDP's order
