@@ -1,6 +1,6 @@
 """`odc-sft-cpu`: verl's real SFT trainer (`torchrun -m verl.trainer.sft_trainer`) on this machine's CPU,
 once with `engine.strategy=fsdp2` and once with `engine.strategy=odc`, same data, weights and settings,
-then the A/B report of the two runs.
+then the A/B report of the two runs (with `--emulate`, also FSDP's lockstep on ODC's transport between them).
 
     odc-sft-cpu [--ranks N] [--steps N] [--out DIR] [--slow-ranks R:F] [key=value ...]
     odc-sft-cpu --emulate FIT.json [--ranks 16] [--length-factor K] [--time-scale X] ...
@@ -21,6 +21,7 @@ import dataclasses
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,16 +35,24 @@ from .assets import ensure_assets, make_problems, prompt_messages
 from .emulation import Emulation
 from .grpo import last_error
 
-STRATEGIES = ("fsdp2", "odc")
 ODC_OPTION = "engine.odc_"
 ODC_SEARCH_PATH = ("hydra.searchpath=[pkg://odc_plugin.configs]", "engine=odc")
+# The runs: fsdp2 and odc, and with --emulate between them FSDP's per-layer lockstep on ODC's transport and
+# code, which separates what the transport changes (on CPU: shared-memory copies against gloo) from the idea.
+RUNS = {
+    "fsdp2": ["engine.strategy=fsdp2"],
+    "lockstep": [*ODC_SEARCH_PATH, "engine.odc_balancer=lb_micro", "engine.odc_lockstep=True"],
+    "odc": ["engine.strategy=odc"],
+}
 # what a real run's chats look like: mostly one or two problems, a few many (real tokens)
 SHORT_TURNS, LONG_TURNS, LONG_FRACTION = (1, 2), (4, 8), 0.2
-# tokens of one problem's turn (question and worked answer) in the shipped tokenizer's chat template
-TURN_TOKENS = 58
-MAX_REAL_TOKENS = 2048
-# the SFT samples per rank per step of the emulated run: the paper's long-context SFT batches are small
-EMULATED_SAMPLES_PER_RANK = 4
+# tokens of one problem's turn (question and worked answer) in the shipped tokenizer's chat template: mean, most
+TURN_TOKENS, MAX_TURN_TOKENS = 84, 119
+# the longest chat, in turns, and the token budget that holds it
+MAX_TURNS = 24
+MAX_REAL_TOKENS = MAX_TURNS * MAX_TURN_TOKENS
+# samples per rank per step: a few on real compute; with --emulate odc-demo's default mini-batch (its sft case)
+SAMPLES_PER_RANK, EMULATED_SAMPLES_PER_RANK = 4, 8
 
 
 def sample_turns(num: int, seed: int, emulation: Emulation | None) -> list[int]:
@@ -54,9 +63,9 @@ def sample_turns(num: int, seed: int, emulation: Emulation | None) -> list[int]:
         return [rng.randint(*(LONG_TURNS if rng.random() < LONG_FRACTION else SHORT_TURNS)) for _ in range(num)]
     from ...balance.lengths import sft_long_context_like
 
-    sample = sft_long_context_like(num, max_length=MAX_REAL_TOKENS * emulation.length_factor, seed=seed)
+    sample = sft_long_context_like(num, max_length=MAX_TURNS * TURN_TOKENS * emulation.length_factor, seed=seed)
     true = [p + r for p, r in zip(sample.prompt_lens, sample.response_lens)]
-    return [max(1, round(t / emulation.length_factor / TURN_TOKENS)) for t in true]
+    return [min(MAX_TURNS, max(1, round(t / emulation.length_factor / TURN_TOKENS))) for t in true]
 
 
 def write_data(out_dir: str, num_train: int, num_val: int, seed: int, emulation: Emulation | None) -> tuple[str, str]:
@@ -84,7 +93,7 @@ def settings(
 ) -> list[str]:
     """What both runs share: verl's SFT trainer on `ranks` CPU ranks, fp32, dynamic batch size, validation at
     the last step (none in an emulated run, whose passes are all training passes)."""
-    budget = MAX_REAL_TOKENS + 64
+    budget = MAX_REAL_TOKENS
     return [
         f"data.train_files={files[0]}",
         f"data.val_files={'null' if emulated else files[1]}",
@@ -97,6 +106,8 @@ def settings(
         f"model.path={model_dir}",
         "+model.override_config.attn_implementation=sdpa",
         "model.use_remove_padding=True",
+        # an emulated layer takes the fit's forward-and-backward time once: no recomputed forwards
+        f"model.enable_gradient_checkpointing={not emulated}",
         "engine.use_torch_compile=False",
         "engine.full_determinism=True",
         "+engine.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
@@ -113,7 +124,7 @@ def settings(
 
 def run_args(shared: list[str], strategy: str, overrides: list[str], out_dir: str) -> list[str]:
     odc = [o for o in overrides if o.lstrip("+").startswith(ODC_OPTION)]
-    engine = [*ODC_SEARCH_PATH, *odc] if strategy == "odc" and odc else [f"engine.strategy={strategy}"]
+    engine = [*ODC_SEARCH_PATH, *odc] if strategy == "odc" and odc else RUNS[strategy]
     return [
         *shared,
         *engine,
@@ -160,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=number_arg(int, 1), default=4, help="optimizer steps per run (default 4)")
     p.add_argument("--out", default="odc_sft_cpu", help="output directory (default ./odc_sft_cpu)")
     p.add_argument("--slow-ranks", metavar="R:F[,R:F]", help="rank R's layers take F times as long")
-    p.add_argument("--samples-per-rank", type=number_arg(int, 1), help="samples per rank per step (default 4)")
+    p.add_argument("--samples-per-rank", type=number_arg(int, 1), help="per step (default 4; 8 with --emulate)")
     p.add_argument("--emulate", metavar="FIT.json", help="emulate the layers' compute from this GPU cost fit")
     p.add_argument("--length-factor", type=number_arg(int, 1), default=16, help="true tokens per real token")
     p.add_argument("--time-scale", type=time_scale_arg, default=1.0, help="emulated seconds per fit second")
@@ -187,16 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         parser.error(f"--out {args.out} is a file: name a directory (created if missing)")
     os.makedirs(out_dir, exist_ok=True)
-    samples = args.samples_per_rank or EMULATED_SAMPLES_PER_RANK
+    samples = args.samples_per_rank or (EMULATED_SAMPLES_PER_RANK if emulation else SAMPLES_PER_RANK)
     files = write_data(out_dir, args.ranks * samples * args.steps, args.ranks * samples, args.seed, emulation)
     shared = settings(ensure_assets().model_dir, files, args.ranks, args.steps, samples, emulation is not None)
     print(f"verl SFT on CPU, {args.ranks} ranks, {args.steps} steps per run; output in {out_dir}")
     results = {}
-    for strategy in STRATEGIES:
+    for strategy in [r for r in RUNS if emulation or r != "lockstep"]:
         env = {SLOW_RANKS_ENV: args.slow_ranks} if args.slow_ranks else {}
         if emulation:
             passes = os.path.join(out_dir, f"{strategy}-passes")
-            os.makedirs(passes, exist_ok=True)
+            shutil.rmtree(passes, ignore_errors=True)  # an earlier run's passes would count as this one's
+            os.makedirs(passes)
             own = dataclasses.replace(emulation, passes_dir=passes)
             own.save(os.path.join(out_dir, f"{strategy}.emulation.json"))
             env[EMULATION_ENV] = os.path.join(out_dir, f"{strategy}.emulation.json")
@@ -220,13 +232,13 @@ def report(results: dict[str, str], args, emulation: Emulation | None, out_dir: 
     from .emulation import phase_times
 
     runs = [ab_report.load_run(path, name, skip_first=1 if args.steps > 2 else 0) for name, path in results.items()]
-    text = ab_report.format_report(ab_report.compare(*runs))
+    text = ab_report.format_report(ab_report.compare(runs[0], runs[-1]))
     if emulation is None:
         return text
     slowdowns = parse_slow_ranks(args.slow_ranks, args.ranks)
     slowdowns = [slowdowns.get(r, 1.0) for r in range(args.ranks)]
     times = {
-        name: phase_times(emulation, os.path.join(out_dir, f"{name}-passes"), args.steps, slowdowns, name == "fsdp2")
+        name: phase_times(emulation, os.path.join(out_dir, f"{name}-passes"), args.steps, slowdowns, name != "odc")
         for name in results
     }
     label = f"EMULATED: {args.ranks} ranks, fit {os.path.basename(args.emulate)}, length factor {args.length_factor}"
