@@ -20,6 +20,7 @@ LONGEST_FIRST = (
     "tests/verl/test_trainer_emulated.py",
     "tests/verl/test_verl_settings.py",
     "tests/verl/test_trainer_modes.py",
+    "tests/verl/test_sft.py",
     "tests/test_docs.py",
     "tests/verl/test_main_ppo_lifecycle.py",
     "tests/test_torch_pins.py",

@@ -17,8 +17,9 @@ from odc_plugin.verl.cpu import SLOW_RANKS_ENV
 from odc_plugin.verl.cpu import sft as sft_cpu
 from odc_plugin.verl.cpu.assets import ensure_assets
 
-pytestmark = pytest.mark.xdist_group("tests/verl/test_sft.py")
-
+# a group per fixture: each is a few trainer runs
+TWO_RANKS = pytest.mark.xdist_group("tests/verl/test_sft.py::two_ranks")
+SLOW_RANK = pytest.mark.xdist_group("tests/verl/test_sft.py::slow_rank")
 TOLERANCE = 1e-5
 STEPS = 3
 
@@ -63,6 +64,7 @@ def two_ranks(tmp_path_factory):
     return runs
 
 
+@TWO_RANKS
 def test_odc_trains_as_fsdp2_every_step_with_validation(two_ranks):
     fsdp2, odc = two_ranks["fsdp2"]["metrics"], two_ranks["odc"]["metrics"]
     _assert_same_training(fsdp2, odc, range(1, STEPS + 1))
@@ -71,6 +73,7 @@ def test_odc_trains_as_fsdp2_every_step_with_validation(two_ranks):
     assert isinstance(odc[1]["odc/compute_s_max"], float) and "odc_balance/efficiency" in odc[1]
 
 
+@TWO_RANKS
 @pytest.mark.parametrize("resumed", ["odc_from_fsdp2", "fsdp2_from_odc"])
 def test_a_checkpoint_of_one_strategy_resumes_under_the_other(two_ranks, resumed):
     """The resumed run trains step 3 on the batch step 3 trains on without a stop, to the same loss."""
@@ -88,6 +91,7 @@ def slow_rank(tmp_path_factory):
     return {s: _run(tmp, s, 4, s, fixed, env)["metrics"] for s in ("fsdp2", "odc")}
 
 
+@SLOW_RANK
 def test_a_slow_rank_gets_less_work_and_training_is_unchanged(slow_rank):
     _assert_same_training(slow_rank["fsdp2"], slow_rank["odc"], range(1, STEPS + 1))
     odc = slow_rank["odc"]
