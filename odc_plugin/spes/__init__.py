@@ -12,7 +12,7 @@ A library over a model, not a trainer:
         loss.backward()
         sync.reduce_gradients(step)    # centralized mode only
         opt.step(); opt.zero_grad()
-        sync.maybe_sync(step)          # spes / fedavg: every config.sync_every steps
+        sync.maybe_sync(step)          # spes / fedavg: every config.sync_every steps, outer step included
 """
 
 from .config import MODES, SPESConfig

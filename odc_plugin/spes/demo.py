@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..launch import run_ranks
-from .config import MODES, SPESConfig
+from .config import MODES, OUTER_OPTIMIZERS, OuterKind, SPESConfig
 from .corpus import random_windows, spread_windows, stdlib_corpus
 from .experts import assign_experts, moe_layers, prepare_experts, trainable_parameters
 from .layout import node_layout
@@ -32,15 +32,31 @@ from .sync import NodeSync
 @dataclass
 class SPESDemoConfig:
     nodes: int = 4
+    """Node processes, one rank each; they share the experts evenly."""
     steps: int = 120
+    """Optimizer steps of every mode, a multiple of `sync_every`."""
     sync_every: int = 10
+    """Local steps between syncs in spes and fedavg."""
+    outer_optimizer: OuterKind = "none"
+    """The step every sync takes along the synced change, in spes and fedavg alike (SPESConfig)."""
+    outer_lr: float = 0.7
+    """The outer step's learning rate."""
+    outer_momentum: float = 0.9
+    """The outer step's Nesterov momentum."""
     model_size: str = "tiny"
-    batch_size: int = 8  # sequences per node per step
+    """A key of models.MOE_SIZES."""
+    batch_size: int = 8
+    """Sequences per node per step."""
     seq_len: int = 128
+    """Bytes per sequence."""
     lr: float = 3e-3
+    """AdamW's peak learning rate (warm-up, then cosine to a tenth)."""
     heldout_sequences: int = 64
+    """Held-out windows, spread over the held-out files."""
     seed: int = 0
+    """The initial weights and every node's batches."""
     out_dir: str = "odc_reports"
+    """Where odc_spes.json and odc_spes.png go."""
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -55,6 +71,11 @@ class SPESDemoConfig:
             assign_experts(MOE_SIZES[self.model_size].num_experts, self.nodes, 0)
         except ValueError as e:
             raise ValueError(f"--nodes {self.nodes}: {e}") from None
+        try:
+            self.spes_config("spes")
+        except ValueError as e:  # name the option as typed: "outer_lr must..." -> "--outer-lr must..."
+            key, rest = str(e).split(" ", 1)
+            raise ValueError(f"--{key.replace('_', '-')} {rest}") from None
 
     def spes_config(self, mode: str) -> SPESConfig:
         """The reference's merging knobs, its step counts scaled to this short run: the reference syncs
@@ -65,6 +86,9 @@ class SPESDemoConfig:
         return SPESConfig(
             mode=mode,
             sync_every=self.sync_every,
+            outer_optimizer=self.outer_optimizer,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
             merge_interval=2 * self.sync_every,
             merge_alpha_start=0.05,
             merge_decay_steps=max(1, self.steps // 2),
@@ -113,7 +137,7 @@ def train_mode(cfg: SPESDemoConfig, mode: str, layout, corpus, heldout: torch.Te
         opt.step()
         sched.step()
         if step == 1:
-            state = state_bytes(model, opt)
+            state = state_bytes(model, opt, sync.outer)
         opt.zero_grad(set_to_none=True)
         sync.maybe_sync(step)
         train_s += time.perf_counter() - t0
@@ -255,6 +279,11 @@ def print_report(report: dict) -> None:
         f"bytes per sync per node, SPES / full-model averaging: {report['spes_over_fedavg_bytes_per_sync']:.3f} "
         f"(the reference's server protocol would give {reference:.3f})"
     )
+    outer = {m: max(s["outer"] for s in modes[m]["trainable_state_bytes_per_node"]) for m in ("spes", "fedavg")}
+    print(
+        f"outer optimizer in spes and fedavg: {outer_description(report['config'])}; its state per node "
+        f"{_mb(outer['spes'])} (spes), {_mb(outer['fedavg'])} (fedavg)"
+    )
     print(f"merges (step, alpha): {modes['spes']['merges']}")
 
 
@@ -291,12 +320,19 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def outer_description(cfg) -> str:
+    if cfg["outer_optimizer"] == "none":
+        return "none (the plain average)"
+    return f"{cfg['outer_optimizer']} (lr {cfg['outer_lr']:g}, momentum {cfg['outer_momentum']:g})"
+
+
 def run_demo(cfg: SPESDemoConfig) -> dict:
     size = MOE_SIZES[cfg.model_size]
     print(
         f"odc-spes: {cfg.nodes} CPU node processes, OLMoE {size.num_hidden_layers} layers x {size.num_experts} "
         f"experts (top-{size.num_experts_per_tok}), {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes "
-        f"per node, sync every {cfg.sync_every}; modes: {', '.join(MODES)}",
+        f"per node, sync every {cfg.sync_every}, outer optimizer {outer_description(asdict(cfg))}; "
+        f"modes: {', '.join(MODES)}",
         flush=True,
     )
     start = time.perf_counter()
@@ -316,13 +352,27 @@ def main(argv=None) -> None:
     defaults = SPESDemoConfig()
     p = argparse.ArgumentParser(allow_abbrev=False, prog="odc-spes", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=defaults.nodes)
-    p.add_argument("--steps", type=int, default=defaults.steps, help=f"a multiple of {defaults.sync_every}")
+    p.add_argument("--steps", type=int, default=defaults.steps, help="a multiple of --sync-every")
+    p.add_argument("--sync-every", type=int, default=defaults.sync_every, help="local steps between syncs")
+    p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, default=defaults.outer_optimizer)
+    p.add_argument("--outer-lr", type=float, default=defaults.outer_lr)
+    p.add_argument("--outer-momentum", type=float, default=defaults.outer_momentum)
+    p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out", default=defaults.out_dir, help="directory for odc_spes.json and odc_spes.png")
     args = p.parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out} is a file: name a directory (created if missing)")
     try:
-        cfg = SPESDemoConfig(nodes=args.nodes, steps=args.steps, out_dir=args.out)
+        cfg = SPESDemoConfig(
+            nodes=args.nodes,
+            steps=args.steps,
+            sync_every=args.sync_every,
+            outer_optimizer=args.outer_optimizer,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            seed=args.seed,
+            out_dir=args.out,
+        )
     except ValueError as e:
         p.error(str(e))
     run_demo(cfg)

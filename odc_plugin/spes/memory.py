@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from .experts import local_tensor
+from .outer import OuterOptimizer
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class StateBytes:
     counted: int  # trainable elements x (param + grad + Adam's two moments), at the parameters' dtype
     measured: int  # bytes of the distinct tensors held: trainable params, their grads, optimizer state
     frozen: int  # bytes of the weights held but not trained (SPES: the other nodes' experts)
+    outer: int  # bytes of the outer optimizer's state: the weights at the last sync and their momentum
 
 
 def _storage_bytes(tensors) -> int:
@@ -26,7 +28,7 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateBytes:
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, outer: OuterOptimizer | None = None) -> StateBytes:
     """This rank's state, after at least one optimizer step (before it, Adam holds no moments)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [local_tensor(p) for p in model.parameters() if not p.requires_grad]
@@ -34,4 +36,4 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
     held = [local_tensor(p) for p in trainable]
     held += [local_tensor(p.grad) for p in trainable if p.grad is not None]
     held += [local_tensor(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return StateBytes(counted, _storage_bytes(held), _storage_bytes(frozen))
+    return StateBytes(counted, _storage_bytes(held), _storage_bytes(frozen), outer.state_bytes() if outer else 0)

@@ -10,6 +10,9 @@ Bytes are counted per rank from the buffers handed to the collectives: an all-re
 nodes sends and receives 2 (N - 1) / N * B per node (a ring: reduce-scatter, then all-gather, which is
 what gloo's allreduce and NCCL's for large buffers do); the all-to-all sends this node's experts to the
 N - 1 other nodes and receives theirs.
+
+With an outer optimizer (outer.py) each node steps what it trains after the average and before the
+exchange, so what the exchange sends is already stepped and moves the same bytes.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from .config import SPESConfig
-from .experts import assign_experts, local_tensor, moe_layers
+from .experts import assign_experts, local_tensor, moe_layers, trainable_parameters
 from .layout import NodeLayout
 from .merge import check_topk, merge_alpha, merge_experts
+from .outer import OuterOptimizer, unflatten
 
 
 class SPESSyncError(RuntimeError):
@@ -83,6 +87,8 @@ class NodeSync:
             self.owned = range(self.num_experts)
             self.experts_of = []
             self.shared = list(model.parameters())
+        # anchored at the weights every node starts from
+        self.outer = OuterOptimizer(trainable_parameters(model), config) if config.outer else None
 
     @torch.no_grad()
     def reduce_gradients(self, step: int) -> CommRecord | None:
@@ -111,12 +117,16 @@ class NodeSync:
         self._reshard()
         with self._failures(step, "shared-parameter average"):
             sent = received = self.average_shared()
+        if self.outer:
+            self.outer.step()
         with self._failures(step, "expert exchange"):
             s, r = self.exchange_experts()
         alpha = merge_alpha(step, self.config)
         if alpha > 0:
             with self._failures(step, "expert merge"):
                 merge_experts(self.layers, alpha, self.config.merge_topk, self.layout.node_group)
+        if self.outer:
+            self.outer.reset_anchor()
         return self._record(step, "sync", sent + s, received + r, start, alpha)
 
     @torch.no_grad()
@@ -137,7 +147,7 @@ class NodeSync:
         dist.all_to_all_single(out, own.repeat(nodes), group=self.layout.cross_group)
         for q, chunk in enumerate(out.split(own.numel())):
             if q != node:
-                self._unflatten(chunk, [local_tensor(p) for p in self.experts_of[q]])
+                unflatten(chunk, [local_tensor(p) for p in self.experts_of[q]])
         moved = (nodes - 1) * own.numel() * own.element_size()
         return moved, moved
 
@@ -156,15 +166,8 @@ class NodeSync:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, group=self.layout.cross_group)
         flat /= self.layout.num_nodes
-        self._unflatten(flat, tensors)
+        unflatten(flat, tensors)
         return allreduce_bytes(flat.numel() * flat.element_size(), self.layout.num_nodes)
-
-    @staticmethod
-    def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
 
     def _record(self, step, kind, sent, received, start, alpha=0.0) -> CommRecord:
         record = CommRecord(step, kind, sent, received, time.perf_counter() - start, alpha)

@@ -19,6 +19,9 @@ from odc_plugin.spes import SPESConfig, assign_experts
         ({"merge_decay_steps": -5}, "merge_decay_steps must be an integer >= 1, got -5"),
         ({"merge_topk": 0}, "merge_topk must be an integer >= 1, got 0"),
         ({"sync_timeout_s": 0}, "sync_timeout_s must be > 0, got 0"),
+        ({"outer_optimizer": "adam"}, "outer_optimizer must be one of nesterov, none, got 'adam'"),
+        ({"outer_lr": 0.0}, "outer_lr must be > 0, got 0.0"),
+        ({"outer_momentum": 1.0}, "outer_momentum must be in [0, 1), got 1.0"),
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_key(kwargs, message):

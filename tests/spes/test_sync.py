@@ -31,47 +31,76 @@ def shared_and_expert_bytes() -> tuple[int, int]:
     return sizes["shared"], sizes["experts"]
 
 
-def expected_after_sync(befores: list[dict], alpha: float, topk: int) -> dict[str, torch.Tensor]:
-    """Shared parameters: the mean of the nodes' copies; experts: their owner's copy; then the merge,
-    done in one process on whole tensors."""
+class ReferenceOuter:
+    """The outer step in one process on whole tensors: SGD over the weights of the last sync, the first
+    being every node's initial weights."""
+
+    def __init__(self, config: SPESConfig):
+        self.anchor = {n: p.detach().clone() for n, p in reference_model().named_parameters()}
+        self.optimizer = torch.optim.SGD(
+            list(self.anchor.values()), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
+        )
+
+    def step(self, synced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name, anchor in self.anchor.items():
+            anchor.grad = anchor - synced[name]
+        self.optimizer.step()
+        return {n: a.clone() for n, a in self.anchor.items()}
+
+    def reset_anchor(self, params: dict[str, torch.Tensor]) -> None:
+        for name, anchor in self.anchor.items():
+            anchor.copy_(params[name])
+
+
+def expected_after_sync(befores: list[dict], config: SPESConfig, step: int, outer: ReferenceOuter | None) -> dict:
+    """Shared parameters (in fedavg: all): the mean of the nodes' copies; experts in spes: their owner's
+    copy; then the outer step and the merge, done in one process on whole tensors."""
     nodes = len(befores)
     num_experts = moe_layers(reference_model())[0].num_experts
     expected = {}
     for name in befores[0]:
         e = expert_of(name)
-        if e is None:
+        if e is None or config.mode == "fedavg":
             expected[name] = torch.stack([b[name] for b in befores]).mean(0)
         else:
             owner = next(q for q in range(nodes) if e in assign_experts(num_experts, nodes, q))
             expected[name] = befores[owner][name]
+    if outer:
+        expected = outer.step(expected)
+    alpha = merge_alpha(step, config)
     if alpha > 0:
         model = reference_model()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(expected[name])
-        merge_experts(moe_layers(model), alpha, topk)
+        merge_experts(moe_layers(model), alpha, config.merge_topk)
         expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if outer:
+        outer.reset_anchor(expected)
     return expected
 
 
 def check_syncs(results, config: SPESConfig, nodes: int, ranks_per_node: int):
+    """Every node holds the same model right after each sync, the one the reference computes."""
     heads = [r for r in results if "before" in r["syncs"][0]]  # local rank 0 of each node, in node order
     assert [h["node"] for h in heads] == list(range(nodes))
     shared_bytes, expert_bytes = shared_and_expert_bytes()
-    per_sync = allreduce_bytes(shared_bytes, nodes) + (nodes - 1) * expert_bytes // nodes
+    if config.mode == "fedavg":
+        per_sync = allreduce_bytes(shared_bytes + expert_bytes, nodes)
+    else:
+        per_sync = allreduce_bytes(shared_bytes, nodes) + (nodes - 1) * expert_bytes // nodes
+    outer = ReferenceOuter(config) if config.outer else None
     for i, sync in enumerate(heads[0]["syncs"]):
         step = sync["record"].step
-        expected = expected_after_sync(
-            [h["syncs"][i]["before"] for h in heads], merge_alpha(step, config), config.merge_topk
-        )
+        expected = expected_after_sync([h["syncs"][i]["before"] for h in heads], config, step, outer)
         for h in heads:
             after = h["syncs"][i]["after"]
             for name, want in expected.items():
                 assert torch.equal(after[name], heads[0]["syncs"][i]["after"][name]), (step, h["node"], name)
-                if expert_of(name) is not None or nodes == 2:  # a mean of two is exact in any order
+                if not outer and (expert_of(name) is not None or nodes == 2):  # a mean of two is exact
                     assert torch.equal(after[name], want), (step, name)
-                else:  # the ring sums in its own order
-                    torch.testing.assert_close(after[name], want, rtol=1e-6, atol=1e-7)
+                else:  # the ring sums in its own order; the outer step runs on flat buffers
+                    torch.testing.assert_close(after[name], want, rtol=1e-5, atol=1e-6)
         for node in range(nodes):
             ranks = results[node * ranks_per_node : (node + 1) * ranks_per_node]
             assert sum(r["syncs"][i]["record"].sent for r in ranks) == per_sync
@@ -94,7 +123,13 @@ def check_frozen(results, nodes: int, ranks_per_node: int):
 
 def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
     config = SPESConfig(
-        sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2, sync_timeout_s=60
+        sync_every=2,
+        outer_optimizer="none",
+        merge_interval=4,
+        merge_alpha_start=0.5,
+        merge_decay_steps=8,
+        merge_topk=2,
+        sync_timeout_s=60,
     )
     results = run_ranks(workers.train_and_sync, 4, 1, "none", config, 4)
     assert [r["syncs"][i]["record"].merge_alpha for r in results[:1] for i in range(2)] == [0.0, 0.25]
@@ -102,9 +137,41 @@ def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
     check_frozen(results, nodes=4, ranks_per_node=1)
 
 
+def test_the_outer_step_is_applied_alike_on_every_node():
+    """Nesterov over the pseudo-gradient in spes (with a merge) and fedavg: after every sync each node
+    holds the same weights, those of the one-process reference, which differ from the plain average."""
+    configs = [
+        SPESConfig(
+            mode=mode,
+            sync_every=2,
+            outer_optimizer="nesterov",
+            merge_interval=4,
+            merge_alpha_start=0.5,
+            merge_decay_steps=8,
+            merge_topk=2,
+        )
+        for mode in ("spes", "fedavg")
+    ]
+    per_rank = run_ranks(workers.train_and_sync_configs, 4, configs, 6)
+    for i, config in enumerate(configs):
+        results = [r[i] for r in per_rank]
+        check_syncs(results, config, nodes=4, ranks_per_node=1)
+        last = results[0]["syncs"][-1]
+        plain = expected_after_sync([r["syncs"][-1]["before"] for r in results], config, 6, None)
+        assert any(not torch.allclose(last["after"][n], plain[n]) for n in plain)
+        # outer state for what the node trains only: its weights at the last sync and their momentum
+        assert all(r["state"].outer == 2 * 4 * r["trainable"] for r in results)
+
+
 def test_two_nodes_of_two_ranks_with_odc_or_fsdp2_inside_train_and_keep_the_invariants():
     config = SPESConfig(
-        sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2, sync_timeout_s=60
+        sync_every=2,
+        outer_optimizer="nesterov",
+        merge_interval=4,
+        merge_alpha_start=0.5,
+        merge_decay_steps=8,
+        merge_topk=2,
+        sync_timeout_s=60,
     )
     per_rank = run_ranks(workers.train_and_sync_each, 4, 2, ("odc", "fsdp2"), config, 6)
     for inner in ("odc", "fsdp2"):

@@ -68,7 +68,7 @@ def train_and_sync(rank, world, ranks_per_node: int, inner: str, config: SPESCon
         out["frozen_grads"] += sum(p.grad is not None for p in frozen)
         opt.step()
         if step == 1:
-            out["state"] = state_bytes(model, opt)
+            out["state"] = state_bytes(model, opt, sync.outer)
         opt.zero_grad(set_to_none=True)
         if step % config.sync_every == 0:
             with torch.no_grad():
@@ -93,14 +93,19 @@ def train_and_sync_each(rank, world, ranks_per_node: int, inners: tuple[str, ...
     return {inner: train_and_sync(rank, world, ranks_per_node, inner, config, steps) for inner in inners}
 
 
+def train_and_sync_configs(rank, world, configs: list[SPESConfig], steps: int):
+    """`train_and_sync` once per config, one rank per node, in the same processes."""
+    return [train_and_sync(rank, world, 1, "none", config, steps) for config in configs]
+
+
 def sgd_every_mode(rank, world, steps: int, lr: float):
-    """SGD with momentum, H = 1, no merging, one rank per node, in each mode; the parameters after every
-    step. Every trainable parameter starts with a zero gradient, so that a step where no token reaches
-    an expert still moves it by its momentum, as data parallelism does."""
+    """SGD with momentum, H = 1, no merging and no outer step, one rank per node, in each mode; the
+    parameters after every step. Every trainable parameter starts with a zero gradient, so that a step
+    where no token reaches an expert still moves it by its momentum, as data parallelism does."""
     layout = node_layout(1)
     result = {}
     for mode in MODES:
-        config = SPESConfig(mode=mode, sync_every=1, merge_alpha_start=0.0)
+        config = SPESConfig(mode=mode, sync_every=1, outer_optimizer="none", merge_alpha_start=0.0)
         model, _, sync = build(layout, config)
         params = trainable_parameters(model)
         for p in params:
