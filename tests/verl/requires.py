@@ -9,6 +9,5 @@ import pytest
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
 needs_transfer_queue = pytest.mark.skipif(
     not HAS_TQ,
-    reason="verl's v1 trainer module imports transfer_queue, which is not installed "
-    "(pip install TransferQueue==0.1.10)",
+    reason="needs the TransferQueue package, which verl's v1 trainer imports (pip install TransferQueue==0.1.10)",
 )

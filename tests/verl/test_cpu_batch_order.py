@@ -15,11 +15,9 @@ import uuid
 import pytest
 
 from odc_patches import PatchError, cpu_batch_order
+from tests.verl.requires import needs_transfer_queue
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transfer_queue") is None,
-    reason="verl's v1 trainer imports the TransferQueue package (pip install TransferQueue==0.1.10)",
-)
+pytestmark = needs_transfer_queue
 
 
 @pytest.fixture

@@ -11,11 +11,9 @@ import time
 import pytest
 
 from odc_patches import PatchError, cpu_replay_poll
+from tests.verl.requires import needs_transfer_queue
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transfer_queue") is None,
-    reason="verl's v1 replay buffer imports the TransferQueue package (pip install TransferQueue==0.1.10)",
-)
+pytestmark = needs_transfer_queue
 
 
 @pytest.fixture

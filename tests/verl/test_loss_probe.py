@@ -24,7 +24,6 @@ called by the patched `PPOTrainer.init`).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from functools import partial
 
 import pytest
@@ -45,12 +44,7 @@ from tests.verl import loss_table
 from tests.verl.dispatch_ranks import SGD
 from tests.verl.loss_table import SHAPE
 from tests.verl.loss_table import actor_config as _actor_config
-
-HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
-needs_tq = pytest.mark.skipif(
-    not HAS_TQ,
-    reason="verl's v1 trainer imports the TransferQueue package (pip install TransferQueue==0.1.10)",
-)
+from tests.verl.requires import needs_transfer_queue as needs_tq
 
 # The aggregations a mode is tested under: verl's, and seq-mean-token-sum-norm with a loss_scale_factor.
 AGGREGATIONS = [(mode, None) for mode in LOSS_AGG_MODES] + [("seq-mean-token-sum-norm", loss_table.FACTOR)]

@@ -264,11 +264,7 @@ def test_the_trainer_refuses_a_refused_setting_at_start_with_that_line(assets, t
     out = tmp_path_factory.mktemp("refused")
     message = _refusal(assets, out, setting.overrides)
     run = train(out, assets, "odc", "odc", 1, setting.overrides)
-    assert run.result.returncode != 0 and not run.metrics
-    assert grpo.last_error(run.result.log_file).endswith(message)
-    # refused at start: before any worker built an engine
-    assert "odc: ODCEngine" not in run.log()
-    assert not grpo.ray_processes(run.result.ray_dir)
+    run.assert_refused_at_start(message)
 
 
 def test_every_row_that_trains_has_the_golden_file_of_its_configuration():

@@ -29,6 +29,14 @@ class Trained:
         assert sorted(self.metrics) == list(range(1, steps + 1))
         assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
 
+    def assert_refused_at_start(self, error: str) -> None:
+        """The run failed with a last error line ending in `error`, before any step and before any worker built
+        an engine, and left no process behind."""
+        assert self.result.returncode != 0 and self.result.steps == 0 and not self.metrics
+        assert grpo.last_error(self.result.log_file).endswith(error)
+        assert "odc: ODCEngine" not in self.log()
+        assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
+
 
 def train(
     out,
