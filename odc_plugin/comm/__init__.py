@@ -21,7 +21,7 @@ def make_transport(
     """Build the transport `kind` over `group` (collective: every rank of the group calls it).
 
     "auto": shm on CPU; on GPUs cuda_ipc when every rank is on one node; a GPU group on several nodes is
-    refused for now (flat NVSHMEM, see select.py): across nodes ODC runs as HSDP, a transport per node.
+    refused (flat NVSHMEM, see select.py): across nodes ODC runs as HSDP, a transport per node.
     `accumulate`: the accumulate method (base.ACCUMULATE_METHODS) or "auto": "direct" where it is exact
     (cuda_ipc checks its peer atomics at start and falls back to "slots"), until a calibration
     (calibrate.py) picks the faster; nvshmem has its own. `options` go to the GPU transports' constructors

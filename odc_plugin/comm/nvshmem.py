@@ -1,4 +1,4 @@
-"""NVSHMEM transport (nvshmem4py): built for ranks across nodes, offered on one node only for now (a group
+"""NVSHMEM transport (nvshmem4py): built for ranks across nodes, offered on one node only (a group
 on several nodes is refused, select.flat_nvshmem_error: use HSDP there).
 
 Regions live in NVSHMEM's symmetric heap, so a peer's slice is addressed by the same local address and

@@ -4,7 +4,7 @@ CPU tensors use shared memory, which only reaches ranks on the same machine. On 
 same node is reachable by CUDA IPC (loads, stores and atomics straight into its memory); a peer on
 another node only through NVSHMEM. One transport serves the whole group, so a group that spans nodes
 would use NVSHMEM for every peer (NVSHMEM itself takes the NVLink path for same-node peers). That flat
-layout is refused for now (`flat_nvshmem_error`): across nodes ODC runs as HSDP, one group per node.
+layout is refused (`flat_nvshmem_error`): across nodes ODC runs as HSDP, one group per node.
 """
 
 from __future__ import annotations
