@@ -29,6 +29,8 @@ import sys
 import numpy as np
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from .trainer import config_value
+
 # verl's SFT trainer modules, and what odc changes in their trainers (`trainer_class`)
 SPMD_MODULE = "verl.trainer.sft_trainer"
 ODC_ENGINE_CONFIG = "odc_plugin.verl.config.ODCEngineConfig"
@@ -47,24 +49,16 @@ def module_of(cls: type) -> str:
     return cls.__module__
 
 
-def _engine(config):
-    return config.get("engine") if hasattr(config, "get") else getattr(config, "engine", None)
-
-
 def wants_odc(config) -> bool:
     """An SFT configuration naming odc: its engine's strategy, or the plugin's engine config group."""
-    engine = _engine(config)
-    if engine is None:
-        return False
-    target = engine.get("_target_") if hasattr(engine, "get") else None
-    return (engine.get("strategy") if hasattr(engine, "get") else getattr(engine, "strategy", None)) == "odc" or (
-        target == ODC_ENGINE_CONFIG
+    return (
+        config_value(config, "engine.strategy") == "odc" or config_value(config, "engine._target_") == ODC_ENGINE_CONFIG
     )
 
 
 def trainer_class(cls: type, config) -> type:
     """verl's SFT trainer class `cls` for a configuration without odc; its odc subclass with it."""
-    if (config.get("model_engine") if hasattr(config, "get") else None) == "odc":
+    if config_value(config, "model_engine") == "odc":
         raise ValueError(WRONG_KEY)
     if not wants_odc(config):
         return cls
@@ -88,7 +82,7 @@ def _as_odc_engine_config(config) -> None:
     """`engine.strategy=odc` on verl's FSDP engine config: build ODC's config from the same keys instead."""
     from omegaconf import open_dict
 
-    engine = _engine(config)
+    engine = config.engine
     if engine.get("_target_") == FSDP_ENGINE_CONFIG:
         with open_dict(engine):
             engine["_target_"] = ODC_ENGINE_CONFIG

@@ -49,7 +49,7 @@ LEGACY_REFUSAL = (
 )
 
 
-def _select(config, key: str):
+def config_value(config, key: str):
     """The value at the dotted `key` of a run's configuration, None where it has none."""
     node = config
     for part in key.split("."):
@@ -63,8 +63,8 @@ def odc_sides(config) -> tuple[bool, bool]:
     """(actor or reference model on odc, critic on odc and trained) for a run's configuration."""
     from verl.trainer.ppo.utils import need_critic
 
-    actor_side = any(_select(config, key) == "odc" for key in ACTOR_SIDE_KEYS)
-    critic = _select(config, CRITIC_KEY) == "odc" and need_critic(config)
+    actor_side = any(config_value(config, key) == "odc" for key in ACTOR_SIDE_KEYS)
+    critic = config_value(config, CRITIC_KEY) == "odc" and need_critic(config)
     return actor_side, critic
 
 
