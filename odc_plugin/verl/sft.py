@@ -6,19 +6,18 @@ the subclass built here; any other gets verl's own class. The subclass
 
 - builds the engine config as an `ODCEngineConfig` whichever way odc was named (`engine.strategy=odc` alone
   takes ODC's defaults; verl's FSDP engine config would refuse the strategy);
-- under `odc_balancer=lb_mini`, has every rank read the whole global batch of each step (the samples the
-  ranks' `DistributedSampler`s give them together under fsdp2, in the same order, with the same loader
-  state for resume: one sampler over all ranks, whose batch of `train_batch_size` samples is the fsdp2
-  ranks' batches interleaved), splits it over the data-parallel ranks with LB-Mini (the same plan as
-  `main_ppo`'s dispatch, `dispatch.plan_steps`: verl's split unless LB-Mini's is predicted faster, with the
-  engine's `auto` fit of each rank's speed), data-parallel rank 0's plan broadcast to every rank (the one
-  small collective the balancing adds per step), and trains each rank's share in as many micro-batches as
-  it needs. verl's SFT loss divides by the global token count, summed over ranks by the engine, so the
-  split changes no gradient;
+- under `odc_balancer=lb_mini`, splits each step's global batch (every rank's batch from verl's own loader,
+  whose lengths verl's trainer already all-gathers) over the data-parallel ranks with LB-Mini: the same plan
+  as `main_ppo`'s dispatch (`dispatch.plan_steps`: verl's split unless LB-Mini's is predicted faster, with
+  the engine's `auto` fit of each rank's speed), global rank 0's plan broadcast to every rank. A rank keeps
+  its own samples that the plan leaves it and receives the others from their ranks (one all-gather of the
+  moved samples alone, none when nothing moves), then trains its share in as many micro-batches as it
+  needs. verl's SFT loss divides by the global token count, summed over ranks by the engine, so the split
+  changes no gradient;
 - logs ODC's metrics as one number per key (`odc/*`) and the plan's balance (`odc_balance/*`).
 
-Validation and checkpoints are verl's: the validation loader is stock, and a checkpoint saved under one
-strategy resumes under the other (the loaders yield the same batches, one per step).
+The loaders, validation and checkpoints are verl's, so a checkpoint saved under one strategy resumes under
+the other.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import functools
 import sys
 
 import numpy as np
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .trainer import config_value
 
@@ -108,62 +106,54 @@ class _ODCSFT:
         )
         self._plan = None
 
-    def _build_dataloader(self):
-        super()._build_dataloader()
-        if self._lb_mini is None:
-            return
-        from torch.utils.data import DistributedSampler
-
-        # verl's samplers over dp ranks, interleaved: one sampler, the same seed, dp batches at a time
-        self.train_sampler = DistributedSampler(
-            self.train_dataset, shuffle=True, num_replicas=1, rank=0, drop_last=True
-        )
-        loader = self.train_dataloader
-        self.train_dataloader = GlobalBatchLoader(
-            self.engine.get_data_parallel_size(),
-            dataset=self.train_dataset,
-            batch_size=self.train_batch_size_per_dp * self.engine.get_data_parallel_size(),
-            sampler=self.train_sampler,
-            collate_fn=self.collate_fn,
-            num_workers=loader.num_workers,
-            pin_memory=False,
-            drop_last=True,
-            pin_memory_device=loader.pin_memory_device,
-        )
-
     def _build_engine(self):
         super()._build_engine()
         self.training_client = _PlannedClient(self.training_client, self)
 
     def _get_batch_seqlens(self, data):
-        """Under LB-Mini `data` is the global batch: its lengths in the order fsdp2's ranks gather them, and
-        this step's plan; else verl's."""
-        if self._lb_mini is None:
-            return super()._get_batch_seqlens(data)
-        lengths = _lengths(data)
-        dp = self.engine.get_data_parallel_size()
-        self._plan = self._plan_step(lengths, dp)
-        return [lengths[p] for r in range(dp) for p in range(r, len(lengths), dp)]
+        """verl's: the step's lengths over all ranks, rank by rank (its one all-gather); under LB-Mini also
+        this step's plan over them."""
+        lengths = super()._get_batch_seqlens(data)
+        if self._lb_mini is not None:
+            self._lengths, self._plan = lengths, self._plan_step(lengths, self.engine.get_data_parallel_size())
+        return lengths
 
     def _plan_step(self, lengths: list[int], dp: int):
-        """Data-parallel rank 0's LB-Mini plan of one step, on every rank."""
+        """Global rank 0's LB-Mini plan of one step, on every rank (the Ulysses groups' ranks alike)."""
         import torch.distributed as dist
 
         plan = [None]
         if dist.get_rank() == 0:
             fit = getattr(self.engine, "odc_time_fit", None)
             self._lb_mini.fit = fit.fit if fit is not None else None
-            stock = [[list(range(r, len(lengths), dp)) for r in range(dp)]]
-            plan[0] = self._lb_mini.plan(lengths, stock)
+            each = len(lengths) // dp
+            plan[0] = self._lb_mini.plan(lengths, [[list(range(r * each, (r + 1) * each)) for r in range(dp)]])
         dist.broadcast_object_list(plan, src=0)
         return plan[0]
 
     def _share(self, data):
-        """This data-parallel rank's samples of the global batch, by the step's plan."""
+        """This data-parallel rank's samples by the step's plan: its own that it keeps, and those moved to it
+        from their ranks (only moved samples travel: one all-gather of them, none when nothing moves)."""
+        import torch.distributed as dist
         from verl.utils import tensordict_utils as tu
 
         plan, _ = self._plan
-        return tu.index_select_tensor_dict(data, list(plan.steps[0][self.engine.get_data_parallel_rank()]))
+        shares, rank, each = plan.steps[0], self.engine.get_data_parallel_rank(), len(data)
+        owner = [p // each for p in range(each * plan.dp_size)]
+        mine = [p - rank * each for p in shares[rank] if owner[p] == rank]
+        if all(owner[p] == r for r, share in enumerate(shares) for p in share):
+            return tu.index_select_tensor_dict(data, mine)
+        leaving = {
+            p: tu.index_select_tensor_dict(data, [p - rank * each])
+            for r, share in enumerate(shares)
+            if r != rank
+            for p in share
+            if owner[p] == rank
+        }
+        every: list = [None] * plan.dp_size
+        dist.all_gather_object(every, leaving, group=self.engine.get_data_parallel_group())
+        arriving = [every[owner[p]][p] for p in shares[rank] if owner[p] != rank]
+        return tu.concat_tensordict(([tu.index_select_tensor_dict(data, mine)] if mine else []) + arriving)
 
     def _balance_metrics(self, global_lengths: list[int]) -> dict[str, float]:
         from .dispatch import plan_metrics
@@ -193,7 +183,6 @@ class _PlannedClient:
     def train_batch(self, data):
         trainer = self._trainer
         planned = trainer._plan is not None
-        lengths = _lengths(data) if planned else None
         output = self._client.train_batch(trainer._share(data) if planned else data)
         if output is not None:
             from verl.utils import tensordict_utils as tu
@@ -201,37 +190,9 @@ class _PlannedClient:
             metrics = tu.get(output, "metrics")
             flatten_odc_metrics(metrics)
             if planned:
-                metrics.update(trainer._balance_metrics(lengths))
+                metrics.update(trainer._balance_metrics(trainer._lengths))
         trainer._plan = None
         return output
-
-
-class GlobalBatchLoader(StatefulDataLoader):
-    """A loader of the global batch whose state is saved and loaded as one data-parallel rank's loader's
-    under fsdp2 (the samples its sampler has yielded counted per rank), so that a checkpoint of either
-    strategy resumes under the other at the same step."""
-
-    def __init__(self, dp_size: int, **kwargs):
-        self._dp_size = dp_size
-        super().__init__(**kwargs)
-
-    def state_dict(self):
-        return _samples_yielded_scaled(super().state_dict(), 1, self._dp_size)
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(_samples_yielded_scaled(state_dict, self._dp_size, 1))
-
-
-def _samples_yielded_scaled(state: dict, num: int, den: int) -> dict:
-    sampler = state.get("_sampler_iter_state")
-    if sampler is None:
-        return state
-    if "samples_yielded" not in sampler or sampler["samples_yielded"] * num % den:
-        raise ValueError(
-            f"odc: the SFT data loader's state {sampler} is not one odc can carry between strategies (torchdata's "
-            f"samples_yielded, a whole number per rank); resume with the strategy that saved it"
-        )
-    return {**state, "_sampler_iter_state": {**sampler, "samples_yielded": sampler["samples_yielded"] * num // den}}
 
 
 def flatten_odc_metrics(metrics: dict) -> None:
@@ -240,10 +201,3 @@ def flatten_odc_metrics(metrics: dict) -> None:
     for key, value in metrics.items():
         if key.startswith("odc/") and isinstance(value, list):
             metrics[key] = float(np.mean(value))
-
-
-def _lengths(data) -> list[int]:
-    input_ids = data["input_ids"]
-    if input_ids.is_nested:
-        return input_ids.offsets().diff().tolist()
-    return data["attention_mask"].sum(dim=-1).tolist()
