@@ -46,7 +46,6 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_batch_order",
     "cpu_replay_poll",
     "cpu_sharded_save",
-    "cpu_sft_step_time",
 )
 
 

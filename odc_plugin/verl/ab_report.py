@@ -96,12 +96,12 @@ def load_run(path: str, label: str | None = None, skip_first: int = 1) -> Run:
 
 
 # verl's SFT trainer's keys, and the PPO trainer's that mean the same: its one model is read as the actor
-SFT_KEYS = {"timing_s/update": "timing_s/update_actor", "train/global_tokens": TOKENS}
+SFT_KEYS = {"train/global_tokens": TOKENS}
 
 
 def _as_ppo_keys(metrics: dict[str, float]) -> dict[str, float]:
-    """A step's metrics under the PPO trainer's names: an SFT run's update, tokens and engine metrics
-    (`odc/*`, as `actor/odc/*`); a PPO run's unchanged."""
+    """A step's metrics under the PPO trainer's names: an SFT run's tokens and engine metrics (`odc/*`, as
+    `actor/odc/*`); a PPO run's unchanged."""
     if "train/loss" not in metrics:
         return metrics
     renamed = {SFT_KEYS.get(k, f"actor/{k}" if k.startswith("odc/") else k): v for k, v in metrics.items()}
@@ -129,6 +129,11 @@ def _update_time(m: dict[str, float]) -> float | None:
     return sum(present) if present else None
 
 
+def _update_rate(m: dict[str, float]) -> float | None:
+    update = _update_time(m)
+    return m[TOKENS] / update if update else None
+
+
 def _idle_fraction(role: str):
     def fn(m: dict[str, float]) -> float | None:
         wait, compute = m[f"{role}/odc/wait_s_mean"], m[f"{role}/odc/compute_s_mean"]
@@ -143,7 +148,7 @@ def summarize(run: Run) -> dict[str, float | None]:
         "steps": float(len(run.steps)),
         "step_s": _median(_per_step(run, lambda m: m[STEP])),
         "update_s": _median(_per_step(run, _update_time)),
-        "update_tokens_per_s": _median(_per_step(run, lambda m: m[TOKENS] / _update_time(m))),
+        "update_tokens_per_s": _median(_per_step(run, _update_rate)),
         "tokens_per_s": _median(_per_step(run, lambda m: m[TOKENS] / m[STEP])),
         "tokens_per_s_per_gpu": _median(_per_step(run, lambda m: m[THROUGHPUT])),
         "tokens_per_step": _median(_per_step(run, lambda m: m[TOKENS])),

@@ -77,7 +77,6 @@ def test_cpu_patch_list():
         "cpu_batch_order",
         "cpu_replay_poll",
         "cpu_sharded_save",
-        "cpu_sft_step_time",
     )
     for name in CPU_PATCHES:
         patch = importlib.import_module(f"odc_patches.{name}")

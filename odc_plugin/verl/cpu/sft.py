@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import random
 import shlex
@@ -26,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from ...cli_args import number_arg
@@ -33,7 +35,7 @@ from ...layer_time import parse_slow_ranks, time_scale_arg
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import ensure_assets, make_problems, prompt_messages
 from .emulation import Emulation
-from .grpo import last_error
+from .grpo import STEP_LINE, last_error
 
 ODC_OPTION = "engine.odc_"
 ODC_SEARCH_PATH = ("hydra.searchpath=[pkg://odc_plugin.configs]", "engine=odc")
@@ -143,7 +145,8 @@ def _free_port() -> int:
 
 def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: dict, timeout_s: float):
     """One torchrun of verl's SFT trainer; (exit code, wall seconds, log file). The whole process group goes
-    when the time is up."""
+    when the time is up. verl's SFT trainer logs no time: each step's, from the moment its console line came
+    after the last step's, is added to the run's metrics file as `timing_s/step` (none for the first)."""
     log_file = os.path.join(out_dir, f"{strategy}.log")
     metrics_file = os.path.join(out_dir, f"{strategy}.jsonl")
     if os.path.exists(metrics_file):
@@ -151,18 +154,52 @@ def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: d
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={_free_port()}"]
     cmd += ["-m", "verl.trainer.sft_trainer", *args]
     env = {**os.environ, **env, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file, "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
+    start, seen = time.monotonic(), {}
     with open(log_file, "w", encoding="utf-8") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
+        )
+        timer = threading.Timer(timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
+        timer.start()
         try:
-            code = proc.wait(timeout=timeout_s)
+            for line in proc.stdout:
+                log.write(line)
+                step = STEP_LINE.search(line)
+                if step:
+                    seen.setdefault(int(step.group(1)), time.monotonic())
+            code = proc.wait()
         except BaseException:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = -signal.SIGKILL
+            raise
+        finally:
+            timer.cancel()
+    if code == 0:
+        add_metrics(metrics_file, {k: {"timing_s/step": seen[k] - seen[k - 1]} for k in seen if k - 1 in seen})
     return code, time.monotonic() - start, log_file
+
+
+def add_metrics(metrics_file: str, by_step: dict[int, dict[str, float]]) -> None:
+    """Each step's `by_step` metrics into the run's first record of that step."""
+    with open(metrics_file, encoding="utf-8") as fp:
+        records = [json.loads(line) for line in fp if line.strip()]
+    for record in records:
+        record["data"].update(by_step.pop(record["step"], {}))
+    with open(metrics_file, "w", encoding="utf-8") as fp:
+        fp.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def update_times(passes_dir: str) -> dict[int, dict[str, float]]:
+    """An emulated run's update time per step: its slowest rank's training pass (each rank records one a step)."""
+    per_rank: dict[int, list[float]] = {}
+    for path in sorted(os.listdir(passes_dir)):
+        with open(os.path.join(passes_dir, path), encoding="utf-8") as fp:
+            for line in fp:
+                record = json.loads(line)
+                per_rank.setdefault(record["rank"], []).append(record["seconds"])
+    steps = zip(*per_rank.values())
+    return {k: {"timing_s/update_actor": max(seconds)} for k, seconds in enumerate(steps, start=1)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -215,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         run = run_args(shared, strategy, args.overrides, out_dir)
         print(f"run {strategy}: {shlex.join(['torchrun', '-m', 'verl.trainer.sft_trainer', *run])}")
         code, wall, log_file = run_trainer(strategy, args.ranks, run, out_dir, env, args.timeout_s)
+        if code == 0 and emulation:
+            add_metrics(os.path.join(out_dir, f"{strategy}.jsonl"), update_times(own.passes_dir))
         print(f"run {strategy}: {'finished' if code == 0 else 'FAILED'} in {wall:.0f} s")
         if code != 0:
             print(f"odc-sft-cpu: the {strategy} run failed (exit code {code}): {last_error(log_file)}", file=sys.stderr)
