@@ -39,6 +39,8 @@ NOT_RUN = {
     "python -m pytest": "the test suite itself, of which this test is part",
     "python -m verl.trainer.main_ppo": "a user's own config on GPUs with vLLM; on CPU the same trainer runs "
     "through odc-grpo-cpu, below and in tests/verl",
+    "torchrun --nproc-per-node 8 -m verl.trainer.sft_trainer": "a user's own SFT config on GPUs; on CPU the same "
+    "trainer runs through odc-sft-cpu, below and in tests/verl/test_sft.py",
     "PYTHONPATH=. python": "beside the GPU check (docs/gpu.md): needs a GPU",
     "for n in": "beside the GPU check: real compute at 4-16 ranks, minutes of a 16-core machine",
     "python3 benchmarks/gpu_check.py": "needs a GPU; tests/benchmarks/test_gpu_check.py runs its dry run and "
@@ -54,10 +56,13 @@ RUN_ELSEWHERE = {
     "verl/test_trainer_emulated.py: the same runs at 4 ranks, 2 steps, the last rank 1.5x slow",
     r"odc-grpo-cpu --steps 2 trainer\.v1\.trainer_mode=separate_async .*": "tests/verl/test_trainer_modes.py: "
     "separate_async with these settings (and the KL loss) under fsdp2 and odc",
+    r"odc-sft-cpu --ranks 2 --steps 4": "tests/verl/test_sft.py: these runs, through odc-sft-cpu's own functions; "
+    "the emulated command below runs odc-sft-cpu itself",
 }
 # A command's start -> options that shrink it to a small size.
 SMALLER = {
     "odc-grpo-cpu": ["--steps", "1", "--compare", "odc", "--ranks", "2"],
+    "odc-sft-cpu": ["--ranks", "2", "--steps", "3"],
     "odc-demo": ["--steps", "1", "--mini-batch-size", "2"],
     "odc-plan": ["--draws", "2"],
     "odc-spes": ["--nodes", "2", "--steps", "10"],

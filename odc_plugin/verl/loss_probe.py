@@ -15,7 +15,7 @@ shape drawn like real RL data (`_synthetic_batch`), packed as fsdp2 packs them a
 with verl's own packing functions), and compares the gradients with respect to the model's outputs, summed
 over every micro-batch of every rank, over several trials, each packing with its own random draws. A loss that
 raises, or whose gradient is not finite, cannot be compared: the verdict says so, never "invariant". This
-module knows verl's losses and how the odc engine packs a share; `odc_plugin.verl.dispatch.check_losses`
+module knows verl's losses and how the odc engine packs a share; `odc_plugin.verl.loss_check.check_losses`
 decides what to refuse.
 """
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 
 import numpy as np
 
@@ -115,7 +116,9 @@ class _ODCSFT:
         this step's plan over them."""
         lengths = super()._get_batch_seqlens(data)
         if self._lb_mini is not None:
+            start = time.perf_counter()
             self._lengths, self._plan = lengths, self._plan_step(lengths, self.engine.get_data_parallel_size())
+            self._balance_s = {"odc_balance/plan_s": time.perf_counter() - start}
         return lengths
 
     def _plan_step(self, lengths: list[int], dp: int):
@@ -183,14 +186,18 @@ class _PlannedClient:
     def train_batch(self, data):
         trainer = self._trainer
         planned = trainer._plan is not None
-        output = self._client.train_batch(trainer._share(data) if planned else data)
+        if planned:
+            start = time.perf_counter()
+            data = trainer._share(data)
+            trainer._balance_s["odc_balance/exchange_s"] = time.perf_counter() - start
+        output = self._client.train_batch(data)
         if output is not None:
             from verl.utils import tensordict_utils as tu
 
             metrics = tu.get(output, "metrics")
             flatten_odc_metrics(metrics)
             if planned:
-                metrics.update(trainer._balance_metrics(trainer._lengths))
+                metrics.update(trainer._balance_metrics(trainer._lengths), **trainer._balance_s)
         trainer._plan = None
         return output
 

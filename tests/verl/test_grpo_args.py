@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from odc_plugin.verl.cpu import grpo
+from odc_plugin.verl.cpu import grpo, grpo_config
 
 FIT = "configs/cost_fit/Qwen2.5-7B-H100.json"
 
@@ -59,9 +59,9 @@ def test_odc_engine_options_go_to_the_odc_runs_only(tmp_path):
     odc = grpo.run_args([], "odc", [option, other], str(tmp_path / "m.jsonl"))
     assert option not in fsdp2 and other in fsdp2
     # the odc run gets the plugin's configs on the search path, before the option, once
-    assert odc.index(grpo.ODC_OPTIONS[1]) < odc.index(option) and other in odc
+    assert odc.index(grpo_config.ODC_OPTIONS[1]) < odc.index(option) and other in odc
     lockstep = grpo.run_args([], "lockstep", [option], str(tmp_path / "m.jsonl"))
-    assert lockstep.count(grpo.ODC_OPTIONS[0]) == 1 and option in lockstep
+    assert lockstep.count(grpo_config.ODC_OPTIONS[0]) == 1 and option in lockstep
 
 
 def test_help_shows_the_timeout_default(capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from odc_plugin.verl.cpu import grpo
+from odc_plugin.verl.cpu import grpo, runner
 
 ENGINE_START = """\
 (TaskRunner pid=812) Traceback (most recent call last):
@@ -90,4 +90,4 @@ def test_only_a_run_whose_port_was_taken_before_its_first_step_starts_again(tmp_
     path = tmp_path / "run.log"
     path.write_text(log)
     result = grpo.RunResult("odc", returncode, 1.0, 0.1, steps, str(path), "", "")
-    assert grpo.port_taken_at_start(result) is again
+    assert runner.port_taken_at_start(result) is again

@@ -1,4 +1,4 @@
-"""The loss probe (odc_plugin/verl/loss_probe.py) and the refusal it decides (odc_plugin.verl.dispatch.check_losses,
+"""The loss probe (odc_plugin/verl/loss_probe.py) and the refusal it decides (odc_plugin.verl.loss_check.check_losses,
 called by the patched `PPOTrainer.init`).
 
 * every policy loss in verl 0.9.1's registry under every `loss_agg_mode` verl accepts (and
@@ -30,7 +30,8 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, get_policy_loss_fn, register_policy_loss
 
-from odc_plugin.verl.dispatch import ACTOR, check_losses
+from odc_plugin.verl.dispatch import ACTOR
+from odc_plugin.verl.loss_check import check_losses
 from odc_plugin.verl.loss_probe import (
     DATA_RANGES,
     LOSS_AGG_MODES,

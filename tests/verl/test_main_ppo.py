@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from odc_plugin.verl.ab_report import read_metrics
-from odc_plugin.verl.cpu import grpo
+from odc_plugin.verl.cpu import grpo, runner
 from odc_plugin.verl.cpu.assets import ensure_assets
 from tests.verl import golden
 from tests.verl.trainer_runs import RANKS, RUN_TIMEOUT_S, Trained, close, ray_session, train
@@ -89,7 +89,7 @@ def test_grpo_cli_runs_both_strategies_and_reports(grpo_cli, out):
     assert "LB-Mini plan efficiency" in proc.stdout
     # each run's own Ray session, not another test's running beside it
     ray_dirs = [ray_session(out / "grpo" / f"{s}.log") for s in grpo.STRATEGIES]
-    assert all(ray_dirs) and not any(grpo.ray_processes(d) for d in ray_dirs)
+    assert all(ray_dirs) and not any(runner.ray_processes(d) for d in ray_dirs)
 
 
 @pytest.mark.xdist_group("main_ppo-grpo_cli")
@@ -249,7 +249,7 @@ def _same_step(a: dict, b: dict) -> None:
 def test_ppo_with_a_critic(ppo):
     odc = ppo["odc"]
     assert odc.result.returncode == 0, grpo.last_error(odc.result.log_file)
-    assert not grpo.ray_processes(odc.result.ray_dir)
+    assert not runner.ray_processes(odc.result.ray_dir)
     for key in ("critic/odc/compute_s_mean", "critic/odc/wait_s_max", "odc_balance/critic/efficiency"):
         assert key in odc.metrics[2], key
     # the critic's values are those of the same model, its loss and gradient the same math
@@ -376,7 +376,7 @@ def test_invalid_odc_option_fails_at_start_up_summarized_by_its_exception(out, a
     assert run.result.returncode != 0
     assert grpo.last_error(run.result.log_file).endswith(error)
     assert run.result.steps == 0 and not run.metrics
-    assert not grpo.ray_processes(run.result.ray_dir)
+    assert not runner.ray_processes(run.result.ray_dir)
 
 
 def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
@@ -392,7 +392,7 @@ def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
     hit_at = None
     while thread.is_alive() and hit_at is None:
         session = ray_session(log_file)
-        raylets = {p.pid for p in grpo.ray_processes(session)} if session else set()
+        raylets = {p.pid for p in runner.ray_processes(session)} if session else set()
         for proc in psutil.process_iter(["cmdline", "ppid"]):
             cmdline = proc.info["cmdline"] or [""]
             if proc.info["ppid"] in raylets and cmdline[0].startswith("ray::WorkerDict.actor_rollout_update_actor"):
@@ -414,4 +414,4 @@ def test_killed_worker_ends_the_job(out, assets):
     assert run.result.returncode != 0
     assert "ActorDiedError" in grpo.last_error(run.result.log_file)
     assert after < 30 + 60
-    assert not grpo.ray_processes(run.result.ray_dir)
+    assert not runner.ray_processes(run.result.ray_dir)

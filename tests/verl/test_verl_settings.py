@@ -24,7 +24,7 @@ import pytest
 from odc_plugin.verl import ppo_config
 from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
-from odc_plugin.verl.dispatch import check_losses
+from odc_plugin.verl.loss_check import check_losses
 from tests.verl import golden
 from tests.verl.trainer_runs import RANKS, train, worst_difference
 
@@ -202,7 +202,7 @@ def golden_configs() -> dict[str, list[str]]:
 
 def _refusal(assets, out, overrides) -> str:
     """The line odc refuses a run of `overrides` with: the loss probe's, on the run's own configuration,
-    through the entry the trainer calls at start (odc_plugin.verl.dispatch.check_losses)."""
+    through the entry the trainer calls at start (odc_plugin.verl.loss_check.check_losses)."""
     args = grpo.run_args(grpo.settings(assets, RANKS, 1, str(out)), "odc", list(overrides), str(out / "probe.jsonl"))
     with pytest.raises(ValueError) as refused:
         check_losses(ppo_config.compose(args))

@@ -8,7 +8,7 @@ import os
 import re
 
 from odc_plugin.verl.ab_report import read_metrics
-from odc_plugin.verl.cpu import grpo
+from odc_plugin.verl.cpu import grpo, runner
 from tests.verl import golden
 
 RANKS = 2
@@ -27,7 +27,7 @@ class Trained:
     def assert_ok(self, steps: int) -> None:
         assert self.result.returncode == 0, grpo.last_error(self.result.log_file)
         assert sorted(self.metrics) == list(range(1, steps + 1))
-        assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
+        assert not runner.ray_processes(self.result.ray_dir), "processes of the run were left behind"
 
     def assert_refused_at_start(self, error: str) -> None:
         """The run failed with a last error line ending in `error`, before any step and before any worker built
@@ -35,7 +35,7 @@ class Trained:
         assert self.result.returncode != 0 and self.result.steps == 0 and not self.metrics
         assert grpo.last_error(self.result.log_file).endswith(error)
         assert "odc: ODCEngine" not in self.log()
-        assert not grpo.ray_processes(self.result.ray_dir), "processes of the run were left behind"
+        assert not runner.ray_processes(self.result.ray_dir), "processes of the run were left behind"
 
 
 def train(

@@ -35,7 +35,7 @@ from ...layer_time import parse_slow_ranks, time_scale_arg
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import ensure_assets, make_problems, prompt_messages
 from .emulation import Emulation
-from .grpo import STEP_LINE, last_error
+from .runner import STEP_LINE, last_error
 
 ODC_OPTION = "engine.odc_"
 ODC_SEARCH_PATH = ("hydra.searchpath=[pkg://odc_plugin.configs]", "engine=odc")
