@@ -27,7 +27,7 @@ A mode's override of a stage method around a call of verl's (separate_async's `_
 `trainer_separate_async.py`, saves and restores the actor's weights around it) is wrapped whole: the
 request is on the batch when the override reaches verl's method.
 
-`PPOTrainer.init` first probes the losses of the roles on odc (`odc_plugin.verl.dispatch.check_losses`)
+`PPOTrainer.init` first probes the losses of the roles on odc (`odc_plugin.verl.loss_check.check_losses`)
 and refuses one that depends on how samples are packed into micro-batches, before any worker starts.
 
 Both parts are members of the subclasses odc runs use (odc_patches.odc_subclass): the trainer of the run's
@@ -241,8 +241,8 @@ def _stage_settings(trainer, stage: str):
 
 def _check_losses(trainer) -> None:
     """Refuse, once per trainer, a role's loss that depends on how strategy=odc packs its mini-batches
-    (odc_plugin.verl.dispatch.check_losses), logging what the probe found and its time."""
-    from odc_plugin.verl.dispatch import check_losses
+    (odc_plugin.verl.loss_check.check_losses), logging what the probe found and its time."""
+    from odc_plugin.verl.loss_check import check_losses
 
     start = time.perf_counter()
     verdicts = check_losses(trainer.config)
