@@ -1,5 +1,7 @@
-"""The `odc` engine config: verl's FSDP engine config plus ODC's own options."""
+"""The `odc` engine config: verl's FSDP engine config plus ODC's own options; and how a run's configuration
+is read where it may come in any form."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args, get_origin
 
@@ -98,3 +100,13 @@ def as_odc_config(engine_config: FSDPEngineConfig) -> ODCEngineConfig:
     shared = {f.name: getattr(engine_config, f.name) for f in fields(FSDPEngineConfig) if f.init}
     shared["strategy"] = "odc"
     return ODCEngineConfig(**shared)
+
+
+def config_value(config, key: str):
+    """The value at the dotted `key` of a run's configuration, None where it has none."""
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
+        if node is None:
+            return None
+    return node

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .trainer import config_value
+from .config import config_value
 
 # verl's SFT trainer modules, and what odc changes in their trainers (`trainer_class`)
 SPMD_MODULE = "verl.trainer.sft_trainer"

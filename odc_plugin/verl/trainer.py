@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Mapping
+
+from .config import config_value
 
 # The strategy keys of the roles, and which worker kind each role's odc engine runs in.
 ACTOR_SIDE_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy")
@@ -47,16 +48,6 @@ LEGACY_REFUSAL = (
     "dispatches every stage with verl's equal split and never runs odc's loss check or LB-Mini's plan; use "
     "trainer.use_v1=True (the default) or strategy=fsdp2"
 )
-
-
-def config_value(config, key: str):
-    """The value at the dotted `key` of a run's configuration, None where it has none."""
-    node = config
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
-        if node is None:
-            return None
-    return node
 
 
 def odc_sides(config) -> tuple[bool, bool]:
