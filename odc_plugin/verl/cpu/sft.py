@@ -23,7 +23,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import threading
 import time
 
 from ...cli_args import number_arg
+from ...launch import stop_group
 from ...layer_time import parse_slow_ranks, time_scale_arg
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import ensure_assets, make_problems, prompt_messages
@@ -161,7 +161,8 @@ def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: d
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
         )
-        timer = threading.Timer(timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
+        expired = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (expired.set(), stop_group(proc)))
         timer.start()
         try:
             for line in proc.stdout:
@@ -171,10 +172,12 @@ def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: d
                     seen.setdefault(int(step.group(1)), time.monotonic())
             code = proc.wait()
         except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc)
             raise
         finally:
             timer.cancel()
+        if expired.is_set():  # the line last_error reports
+            log.write(f"TimeoutError: the run took longer than --timeout-s {timeout_s:g} s and was stopped\n")
     if code == 0:
         add_metrics(metrics_file, {k: {"timing_s/step": seen[k] - seen[k - 1]} for k in seen if k - 1 in seen})
     return code, time.monotonic() - start, log_file
