@@ -30,9 +30,12 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from odc_plugin.launch import RankFailed, run_ranks, stop_group
-
 ROOT = Path(__file__).resolve().parents[1]
+# a GPU machine runs it from a checkout, the plugin not necessarily installed: its own code from the checkout
+sys.path.insert(0, str(ROOT))
+
+from odc_plugin.launch import RankFailed, run_ranks, stop_group  # noqa: E402
+
 BUDGET_S = 540
 REPORT_NAME = "gpu_check_report.md"
 DEVICE_ENV = "ODC_TEST_DEVICE"  # tests/verl/harness.py's DEVICE_ENV
