@@ -137,6 +137,31 @@ def port_taken_at_start(result: RunResult) -> bool:
         return _PORT_TAKEN in fp.read()
 
 
+def start_logged(cmd: list[str], env: dict, log) -> subprocess.Popen:
+    """`cmd` in a session of its own (so that its whole process group can be ended), its command line first in
+    `log`, its output and errors to be read from its stdout (`follow`)."""
+    log.write(shlex.join(cmd) + "\n")
+    log.flush()
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+
+
+def follow(proc: subprocess.Popen, log, on_step) -> None:
+    """Copy a trainer's output into `log` as it comes, calling `on_step(step, line)` at each of its step lines."""
+    for line in proc.stdout:
+        log.write(line)
+        match = STEP_LINE.search(line)
+        if match:
+            on_step(int(match.group(1)), line)
+
+
 def _run_once(strategy: str, args: list[str], out_dir: str, steps: int, timeout_s: float, echo) -> RunResult:
     log_file = os.path.join(out_dir, f"{strategy}.log")
     metrics_file = os.path.join(out_dir, f"{strategy}.jsonl")
@@ -149,29 +174,20 @@ def _run_once(strategy: str, args: list[str], out_dir: str, steps: int, timeout_
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *args, f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]
     start = time.monotonic()
     done = 0
+
+    def progress(step: int, line: str) -> None:
+        nonlocal done
+        done = step
+        seconds = re.search(r"timing_s/step:([0-9.]+)", line)
+        took = f" ({float(seconds.group(1)):.1f} s)" if seconds else ""
+        echo(f"  {strategy}: step {done}/{steps} done{took}")
+
     with open(log_file, "w", encoding="utf-8") as log:
-        log.write(shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
+        proc = start_logged(cmd, env, log)
         watch = _Watch(proc, ray_dir, timeout_s)
         watch.start()
         try:
-            for line in proc.stdout:
-                log.write(line)
-                match = STEP_LINE.search(line)
-                if match:
-                    done = int(match.group(1))
-                    seconds = re.search(r"timing_s/step:([0-9.]+)", line)
-                    took = f" ({float(seconds.group(1)):.1f} s)" if seconds else ""
-                    echo(f"  {strategy}: step {done}/{steps} done{took}")
+            follow(proc, log, progress)
             proc.wait()
         except BaseException:
             _kill(_tree(proc.pid))

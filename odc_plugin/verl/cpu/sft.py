@@ -24,7 +24,6 @@ import random
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from ...layer_time import parse_slow_ranks, time_scale_arg
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import ensure_assets, make_problems, prompt_messages
 from .emulation import Emulation
-from .runner import STEP_LINE, last_error
+from .runner import follow, last_error, start_logged
 
 ODC_OPTION = "engine.odc_"
 ODC_SEARCH_PATH = ("hydra.searchpath=[pkg://odc_plugin.configs]", "engine=odc")
@@ -156,20 +155,12 @@ def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: d
     env = {**os.environ, **env, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file, "PYTHONUNBUFFERED": "1"}
     start, seen = time.monotonic(), {}
     with open(log_file, "w", encoding="utf-8") as log:
-        log.write(shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
-        )
+        proc = start_logged(cmd, env, log)
         expired = threading.Event()
         timer = threading.Timer(timeout_s, lambda: (expired.set(), stop_group(proc)))
         timer.start()
         try:
-            for line in proc.stdout:
-                log.write(line)
-                step = STEP_LINE.search(line)
-                if step:
-                    seen.setdefault(int(step.group(1)), time.monotonic())
+            follow(proc, log, lambda step, _: seen.setdefault(step, time.monotonic()))
             code = proc.wait()
         except BaseException:
             stop_group(proc)
