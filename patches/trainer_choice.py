@@ -80,19 +80,23 @@ def apply(module: str) -> None:
 def apply_to_script() -> None:
     """The choice for the trainer class of a TARGETS module run as a script (`python -m`, `torchrun -m`): its
     classes live in `__main__`, which no import hook sees. verl's SFT trainers call verl's
-    `auto_set_device(config)` first thing in their `main`, before building the trainer; wrapped here, it
-    gives `__main__`'s trainer class the choice, then does what verl's does."""
+    `auto_set_device(config)` first thing in their `main`, before building the trainer; in such a process
+    alone it is wrapped to give `__main__`'s trainer class the choice, then do what verl's does. Any other
+    process (main_ppo's driver, Ray's workers) keeps verl's function. The script is read off the command
+    line: `python -m` imports the script's packages, verl among them, before `__main__` is the script."""
+    argv = getattr(sys, "orig_argv", [])
+    name = next((argv[i + 1] for i in range(len(argv) - 1) if argv[i] == "-m"), None)
+    if name not in TARGETS:
+        return
     from verl.utils import device
 
-    replace_attr(device, "auto_set_device", NAME, _choice_for_main)
+    def choice_first(current):
+        def auto_set_device(*args, **kwargs):
+            script = sys.modules["__main__"]
+            if hasattr(script, TARGETS[name]):
+                give_choice(getattr(script, TARGETS[name]))
+            return current(*args, **kwargs)
 
+        return auto_set_device
 
-def _choice_for_main(current):
-    def auto_set_device(*args, **kwargs):
-        script = sys.modules.get("__main__")
-        name = getattr(getattr(script, "__spec__", None), "name", None)
-        if name in TARGETS and hasattr(script, TARGETS[name]):
-            give_choice(getattr(script, TARGETS[name]))
-        return current(*args, **kwargs)
-
-    return auto_set_device
+    replace_attr(device, "auto_set_device", NAME, choice_first)
