@@ -143,14 +143,20 @@ class PhaseTime:
         return 1 - self.busy_rank_s / (self.ranks * measured_s)
 
 
-def load_passes(passes_dir: str) -> dict[str, dict[int, list[list[list[int]]]]]:
-    """phase -> rank -> that rank's passes in order, each a list of micro-batches of real lengths."""
+def read_passes(passes_dir: str, key: str) -> dict[str, dict[int, list]]:
+    """phase -> rank -> `key` of each of that rank's passes in order (`micro_batches`: its micro-batches' real
+    lengths; `seconds`: its wall time)."""
     out: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for path in sorted(Path(passes_dir).glob("passes-*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
             record = json.loads(line)
-            out[record["phase"]][record["rank"]].append(record["micro_batches"])
+            out[record["phase"]][record["rank"]].append(record[key])
     return {phase: dict(ranks) for phase, ranks in out.items()}
+
+
+def load_passes(passes_dir: str) -> dict[str, dict[int, list[list[list[int]]]]]:
+    """phase -> rank -> that rank's passes in order, each a list of micro-batches of real lengths."""
+    return read_passes(passes_dir, "micro_batches")
 
 
 def phase_times(

@@ -33,7 +33,7 @@ from ...launch import stop_group
 from ...layer_time import parse_slow_ranks, time_scale_arg
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import ensure_assets, make_problems, prompt_messages
-from .emulation import Emulation
+from .emulation import Emulation, read_passes
 from .runner import follow, last_error, start_logged
 
 ODC_OPTION = "engine.odc_"
@@ -186,12 +186,7 @@ def add_metrics(metrics_file: str, by_step: dict[int, dict[str, float]]) -> None
 
 def update_times(passes_dir: str) -> dict[int, dict[str, float]]:
     """An emulated run's update time per step: its slowest rank's training pass (each rank records one a step)."""
-    per_rank: dict[int, list[float]] = {}
-    for path in sorted(os.listdir(passes_dir)):
-        with open(os.path.join(passes_dir, path), encoding="utf-8") as fp:
-            for line in fp:
-                record = json.loads(line)
-                per_rank.setdefault(record["rank"], []).append(record["seconds"])
+    per_rank = read_passes(passes_dir, "seconds").get("update_actor", {})
     steps = zip(*per_rank.values())
     return {k: {"timing_s/update_actor": max(seconds)} for k, seconds in enumerate(steps, start=1)}
 
