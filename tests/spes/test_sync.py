@@ -15,6 +15,9 @@ from odc_plugin.spes.sync import allreduce_bytes
 
 from . import workers
 
+# a sync every 2 steps and a merge every 2nd sync, its weight halving over 8 steps, to the 2 nearest experts
+MERGING = dict(sync_every=2, merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=8, merge_topk=2)
+
 
 def expert_of(name: str) -> int | None:
     return int(name.rsplit(".", 1)[1]) if ".mlp.experts." in name else None
@@ -122,15 +125,7 @@ def check_frozen(results, nodes: int, ranks_per_node: int):
 
 
 def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
-    config = SPESConfig(
-        sync_every=2,
-        outer_optimizer="none",
-        merge_interval=4,
-        merge_alpha_start=0.5,
-        merge_decay_steps=8,
-        merge_topk=2,
-        sync_timeout_s=60,
-    )
+    config = SPESConfig(**MERGING, outer_optimizer="none", sync_timeout_s=60)
     results = run_ranks(workers.train_and_sync, 4, 1, "none", config, 4)
     assert [r["syncs"][i]["record"].merge_alpha for r in results[:1] for i in range(2)] == [0.0, 0.25]
     check_syncs(results, config, nodes=4, ranks_per_node=1)
@@ -140,18 +135,7 @@ def test_four_nodes_sync_invariants_bytes_and_frozen_experts():
 def test_the_outer_step_is_applied_alike_on_every_node():
     """Nesterov over the pseudo-gradient in spes (with a merge) and fedavg: after every sync each node
     holds the same weights, those of the one-process reference, which differ from the plain average."""
-    configs = [
-        SPESConfig(
-            mode=mode,
-            sync_every=2,
-            outer_optimizer="nesterov",
-            merge_interval=4,
-            merge_alpha_start=0.5,
-            merge_decay_steps=8,
-            merge_topk=2,
-        )
-        for mode in ("spes", "fedavg")
-    ]
+    configs = [SPESConfig(**MERGING, mode=mode, outer_optimizer="nesterov") for mode in ("spes", "fedavg")]
     per_rank = run_ranks(workers.train_and_sync_configs, 4, configs, 6)
     for i, config in enumerate(configs):
         results = [r[i] for r in per_rank]
@@ -164,15 +148,7 @@ def test_the_outer_step_is_applied_alike_on_every_node():
 
 
 def test_two_nodes_of_two_ranks_with_odc_or_fsdp2_inside_train_and_keep_the_invariants():
-    config = SPESConfig(
-        sync_every=2,
-        outer_optimizer="nesterov",
-        merge_interval=4,
-        merge_alpha_start=0.5,
-        merge_decay_steps=8,
-        merge_topk=2,
-        sync_timeout_s=60,
-    )
+    config = SPESConfig(**MERGING, outer_optimizer="nesterov", sync_timeout_s=60)
     per_rank = run_ranks(workers.train_and_sync_each, 4, 2, ("odc", "fsdp2"), config, 6)
     for inner in ("odc", "fsdp2"):
         results = [r[inner] for r in per_rank]
