@@ -94,6 +94,28 @@ _UPDATES = ("actor", "critic")
 # ---------------------------------------------------------------------------------------------
 
 
+MESH_TRAIN = "train"  # the mesh verl dispatches a TrainingWorker's batches on
+
+
+def mesh_ranks(worker_group, mesh_name: str) -> list[int]:
+    """Each worker's data-parallel rank on `mesh_name`, found as verl's dispatch_lazy_compute_data_proto finds it."""
+    if mesh_name not in worker_group._dispatch_info:
+        worker_group._dispatch_info[mesh_name] = worker_group._query_dispatch_info(mesh_name)
+    return worker_group._dispatch_info[mesh_name]
+
+
+def run_on_pieces(worker_group, method: str, mesh_name: str, pieces: list):
+    """A worker method registered with verl's lazy nd dispatch on `mesh_name`, run on `pieces` (one per
+    data-parallel rank, of any sizes) where verl would run it on equal chunks: verl's dispatch, execution and
+    collection of the call, its output as verl's non-blocking call returns it."""
+    from verl.single_controller.base.decorator import collect_lazy_compute_data_proto, dispatch_nd_compute
+
+    ranks = mesh_ranks(worker_group, mesh_name)
+    args, kwargs = dispatch_nd_compute(ranks, max(ranks) + 1, worker_group, pieces)
+    output = worker_group.execute_all_async(method, *args, **kwargs)
+    return collect_lazy_compute_data_proto(mesh_name, worker_group, output)
+
+
 def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
     """verl's lazy nd dispatch, except that a batch carrying an LB-Mini request is planned and split by it."""
     from verl.single_controller.base.decorator import dispatch_nd_compute
@@ -108,10 +130,7 @@ def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
             f"odc: a call carrying an LB-Mini plan request takes exactly one batch argument, got "
             f"{len(args)} positional and {sorted(kwargs)}"
         )
-    # as verl's dispatch_lazy_compute_data_proto finds the ranks of the mesh
-    if mesh_name not in worker_group._dispatch_info:
-        worker_group._dispatch_info[mesh_name] = worker_group._query_dispatch_info(mesh_name)
-    dp_rank_mapping = worker_group._dispatch_info[mesh_name]
+    dp_rank_mapping = mesh_ranks(worker_group, mesh_name)
     dp_size = max(dp_rank_mapping) + 1
     start, request = time.perf_counter(), planned[0].extra_info[PLAN_KEY]
     pieces = split_by_plan(planned[0], dp_size)
@@ -123,16 +142,20 @@ def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
     return out
 
 
-def _check_dispatch() -> None:
-    """What _lb_mini_dispatch calls of verl's, as it calls it."""
+def check_dispatch() -> None:
+    """What _lb_mini_dispatch and run_on_pieces call of verl's, as they call it."""
     from verl.single_controller.base import decorator
     from verl.single_controller.base.worker import Worker
+    from verl.single_controller.ray.base import RayWorkerGroup
 
-    # what _lb_mini_dispatch calls in place of dispatch_lazy_compute_data_proto's chunking
+    # what both call in place of dispatch_lazy_compute_data_proto's chunking
     nd_compute = require_attr(decorator, "dispatch_nd_compute", NAME)
-    params = list(inspect.signature(nd_compute).parameters)
-    if params != ["dp_rank_mapping", "dp_size", "worker_group", "args", "kwargs"]:
+    if parameters(nd_compute) != ["dp_rank_mapping", "dp_size", "worker_group", "args", "kwargs"]:
         raise PatchError(f"odc patch '{NAME}': dispatch_nd_compute{inspect.signature(nd_compute)} changed")
+    collect = require_attr(decorator, "collect_lazy_compute_data_proto", NAME)
+    if parameters(collect)[:2] != ["mesh_name", "worker_group"]:
+        raise PatchError(f"odc patch '{NAME}': collect_lazy_compute_data_proto{inspect.signature(collect)} changed")
+    require_attr(RayWorkerGroup, "execute_all_async", NAME)
     require_attr(Worker, "_query_dispatch_info", NAME)  # bound onto every worker group, used as verl uses it
 
 
@@ -306,7 +329,7 @@ def _wrap_stage(stock, stage: str):
         metrics[f"{prefix}/plan_s"] = request.plan_s
         metrics[f"{prefix}/dispatch_s"] = request.dispatch_s
         if stage in _UPDATES:
-            observed = settings.observe(metrics, stage)
+            observed = settings.observe(metrics, f"{stage}/")
             measured = metrics.get(f"{stage}/odc/compute_s_max")
             if request.fit is not None and measured:
                 predicted = plan_seconds(request.plan, request.seqlens, request.fit)
@@ -349,7 +372,7 @@ def extend(kind: str, base: type, members: dict) -> None:
         for method, stage in _STAGES:
             members[method] = _wrap_stage(getattr(base, method), stage)
         return
-    _check_dispatch()
+    check_dispatch()
     for method, mesh in _DISPATCHED.get(kind, ()):
         current = members.get(method) or require_attr(base, method, NAME)
         members[method] = _planned(base.__name__, method, current, mesh)

@@ -291,21 +291,22 @@ class LBMiniSettings:
         """A forward-only pass of the same role, planned with this fit."""
         return LBMiniSettings(self.cost, max_token_len, micro_batch_size, self.auto, self.sp_size, fit_from=self)
 
-    def observe(self, metrics: dict, role: str) -> dict[str, float]:
-        """Take the auto fit the role's engine reported in the update's metrics (`<role>/odc/fit_*`,
-        `<role>/odc/rank_speed_<r>`); returns it as `odc_balance` metrics (empty without a fit)."""
-        if not self.auto or f"{role}/odc/fit_c" not in metrics:
+    def observe(self, metrics: dict, prefix: str) -> dict[str, float]:
+        """Take the auto fit the role's engine reported in the update's metrics (`<prefix>odc/fit_*`,
+        `<prefix>odc/rank_speed_<r>`; the prefix is `actor/` or `critic/` in the PPO trainer, empty in the SFT
+        trainers); returns it as `odc_balance` metrics (empty without a fit)."""
+        if not self.auto or f"{prefix}odc/fit_c" not in metrics:
             return {}
         speeds = []
-        while f"{role}/odc/rank_speed_{len(speeds)}" in metrics:
-            speeds.append(float(metrics[f"{role}/odc/rank_speed_{len(speeds)}"]))
+        while f"{prefix}odc/rank_speed_{len(speeds)}" in metrics:
+            speeds.append(float(metrics[f"{prefix}odc/rank_speed_{len(speeds)}"]))
         self.fit = TimeFit(
-            a=float(metrics[f"{role}/odc/fit_a"]),
-            b=float(metrics[f"{role}/odc/fit_b"]),
-            c=float(metrics[f"{role}/odc/fit_c"]),
+            a=float(metrics[f"{prefix}odc/fit_a"]),
+            b=float(metrics[f"{prefix}odc/fit_b"]),
+            c=float(metrics[f"{prefix}odc/fit_c"]),
             speeds=tuple(speeds),
-            timings=int(metrics[f"{role}/odc/fit_timings"]),
-            error=float(metrics.get(f"{role}/odc/fit_error", 0.0)),
+            timings=int(metrics[f"{prefix}odc/fit_timings"]),
+            error=float(metrics.get(f"{prefix}odc/fit_error", 0.0)),
         )
         return {
             "fit_c": self.fit.c,

@@ -1,19 +1,23 @@
-"""verl's SPMD SFT trainer under odc (`torchrun -m verl.trainer.sft_trainer ... engine.strategy=odc`).
+"""verl's SFT trainers under odc: `torchrun -m verl.trainer.sft_trainer ... engine.strategy=odc` (SPMD) and
+`python -m verl.trainer.sft_trainer_ray ... engine.strategy=odc` (a Ray driver).
 
-verl's `SFTTrainer` gets the choice of its class as its PPO trainers do (`patches/trainer_choice.py`): a
-configuration whose `engine.strategy` is `odc` (or whose engine config group is the plugin's `odc`) gets
+verl's `SFTTrainer` classes get the choice of their class as its PPO trainers do (`patches/trainer_choice.py`):
+a configuration whose `engine.strategy` is `odc` (or whose engine config group is the plugin's `odc`) gets
 the subclass built here; any other gets verl's own class. The subclass
 
 - builds the engine config as an `ODCEngineConfig` whichever way odc was named (`engine.strategy=odc` alone
   takes ODC's defaults; verl's FSDP engine config would refuse the strategy);
-- under `odc_balancer=lb_mini`, splits each step's global batch (every rank's batch from verl's own loader,
-  whose lengths verl's trainer already all-gathers) over the data-parallel ranks with LB-Mini: the same plan
-  as `main_ppo`'s dispatch (`dispatch.plan_steps`: verl's split unless LB-Mini's is predicted faster, with
-  the engine's `auto` fit of each rank's speed), global rank 0's plan broadcast to every rank. A rank keeps
-  its own samples that the plan leaves it and receives the others from their ranks (one all-gather of the
-  moved samples alone, none when nothing moves), then trains its share in as many micro-batches as it
-  needs. verl's SFT loss divides by the global token count, summed over ranks by the engine, so the split
-  changes no gradient;
+- under `odc_balancer=lb_mini`, splits each step's global batch over the data-parallel ranks with LB-Mini:
+  the same plan as `main_ppo`'s dispatch (`dispatch.plan_steps`: verl's split unless LB-Mini's is predicted
+  faster, with the engine's `auto` fit of each rank's speed), then each rank trains its share in as many
+  micro-batches as it needs. verl's SFT loss divides by the global token count, summed over ranks by the
+  engine, so the split changes no gradient.
+  SPMD: every rank reads its own batch through verl's loader, whose lengths verl's trainer already
+  all-gathers; global rank 0 plans them and broadcasts the plan; a rank keeps its own samples that the plan
+  leaves it and receives the others from their ranks (one all-gather of the moved samples alone, none when
+  nothing moves).
+  Ray: the driver reads the global batch (in the order `trainer.balance_batch` gives it), plans it with the
+  fit the engine reported on the last step, and hands each worker its share through verl's dispatch;
 - logs ODC's metrics as one number per key (`odc/*`) and the plan's balance (`odc_balance/*`).
 
 The loaders, validation and checkpoints are verl's, so a checkpoint saved under one strategy resumes under
@@ -31,7 +35,7 @@ import numpy as np
 from .config import config_value
 
 # verl's SFT trainer modules, and what odc changes in their trainers (`trainer_class`)
-SPMD_MODULE = "verl.trainer.sft_trainer"
+SPMD_MODULE, RAY_MODULE = "verl.trainer.sft_trainer", "verl.trainer.sft_trainer_ray"
 ODC_ENGINE_CONFIG = "odc_plugin.verl.config.ODCEngineConfig"
 FSDP_ENGINE_CONFIG = "verl.workers.config.FSDPEngineConfig"
 WRONG_KEY = (
@@ -64,17 +68,18 @@ def trainer_class(cls: type, config) -> type:
     import odc_patches
 
     odc_patches.require_odc_verl()
-    if module_of(cls) != SPMD_MODULE:
+    shares = {SPMD_MODULE: _SPMDShares, RAY_MODULE: _RayShares}.get(module_of(cls))
+    if shares is None:
         raise ValueError(
-            f"odc: {module_of(cls)}.{cls.__qualname__} is not supported with engine.strategy=odc; run verl's SPMD SFT "
-            f"trainer (torchrun -m {SPMD_MODULE})"
+            f"odc: {module_of(cls)}.{cls.__qualname__} is not supported with engine.strategy=odc; run one of verl's "
+            f"SFT trainers (torchrun -m {SPMD_MODULE}, python -m {RAY_MODULE})"
         )
-    return _subclass(cls)
+    return _subclass(cls, shares)
 
 
 @functools.cache
-def _subclass(cls: type) -> type:
-    return type(f"ODC{cls.__name__}", (_ODCSFT, cls), {"__module__": __name__})
+def _subclass(cls: type, shares: type) -> type:
+    return type(f"ODC{cls.__name__}", (shares, cls), {"__module__": __name__})
 
 
 def _as_odc_engine_config(config) -> None:
@@ -88,7 +93,8 @@ def _as_odc_engine_config(config) -> None:
 
 
 class _ODCSFT:
-    """The odc subclass's members; `_plan` is None when each rank keeps verl's share (lb_micro)."""
+    """What both trainers' odc subclasses share; `_plan` (the step's plan and its fit) is None when each rank
+    keeps verl's share (lb_micro)."""
 
     _odc_trainer = True
 
@@ -106,33 +112,60 @@ class _ODCSFT:
             model_config=lambda: self.model_config.hf_config,
         )
         self._plan = None
+        self._balance_s = {}
 
     def _build_engine(self):
         super()._build_engine()
         self.training_client = _PlannedClient(self.training_client, self)
 
+    def _plan_of(self, lengths: list[int], dp: int):
+        """LB-Mini's plan of one step over `dp` ranks, verl's share being each rank's contiguous chunk."""
+        start = time.perf_counter()
+        each = len(lengths) // dp
+        plan = self._lb_mini.plan(lengths, [[list(range(r * each, (r + 1) * each)) for r in range(dp)]])
+        self._balance_s["odc_balance/plan_s"] = time.perf_counter() - start
+        return plan
+
+    def _balance_metrics(self, global_lengths: list[int]) -> dict[str, float]:
+        from .dispatch import plan_metrics
+
+        plan, fit = self._plan
+        metrics = plan_metrics(plan, global_lengths, fit or self._lb_mini.cost, "odc_balance")
+        if fit is not None:
+            slowest = min(range(plan.dp_size), key=lambda r: fit.speeds[r])
+            tokens = [sum(global_lengths[p] for p in share) for share in plan.steps[0]]
+            metrics["odc_balance/fit_error"] = fit.error
+            metrics["odc_balance/rank_speed_min"] = fit.speeds[slowest]
+            # below 1: the rank the fit finds slowest trains fewer tokens than the mean
+            metrics["odc_balance/slowest_rank_tokens"] = tokens[slowest] * plan.dp_size / sum(tokens)
+        return metrics
+
+
+class _SPMDShares(_ODCSFT):
+    """torchrun's trainer: every rank holds the plan and trains its share of the step."""
+
     def _get_batch_seqlens(self, data):
         """verl's: the step's lengths over all ranks, rank by rank (its one all-gather); under LB-Mini also
-        this step's plan over them."""
-        lengths = super()._get_batch_seqlens(data)
-        if self._lb_mini is not None:
-            start = time.perf_counter()
-            self._lengths, self._plan = lengths, self._plan_step(lengths, self.engine.get_data_parallel_size())
-            self._balance_s = {"odc_balance/plan_s": time.perf_counter() - start}
-        return lengths
-
-    def _plan_step(self, lengths: list[int], dp: int):
-        """Global rank 0's LB-Mini plan of one step, on every rank (the Ulysses groups' ranks alike)."""
+        this step's plan over them, global rank 0's on every rank (the Ulysses groups' ranks alike)."""
         import torch.distributed as dist
 
-        plan = [None]
-        if dist.get_rank() == 0:
-            fit = getattr(self.engine, "odc_time_fit", None)
-            self._lb_mini.fit = fit.fit if fit is not None else None
-            each = len(lengths) // dp
-            plan[0] = self._lb_mini.plan(lengths, [[list(range(r * each, (r + 1) * each)) for r in range(dp)]])
-        dist.broadcast_object_list(plan, src=0)
-        return plan[0]
+        lengths = super()._get_batch_seqlens(data)
+        if self._lb_mini is not None:
+            plan = [self._plan_of(lengths, self.engine.get_data_parallel_size()) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(plan, src=0)
+            self._lengths, self._plan = lengths, plan[0]
+        return lengths
+
+    def _train(self, client, data):
+        if self._plan is not None:
+            start = time.perf_counter()
+            data = self._share(data)
+            self._balance_s["odc_balance/exchange_s"] = time.perf_counter() - start
+        return client.train_batch(data)
+
+    @staticmethod
+    def _returned(output):
+        return output
 
     def _share(self, data):
         """This data-parallel rank's samples by the step's plan: its own that it keeps, and those moved to it
@@ -158,24 +191,39 @@ class _ODCSFT:
         arriving = [every[owner[p]][p] for p in shares[rank] if owner[p] != rank]
         return tu.concat_tensordict(([tu.index_select_tensor_dict(data, mine)] if mine else []) + arriving)
 
-    def _balance_metrics(self, global_lengths: list[int]) -> dict[str, float]:
-        from .dispatch import plan_metrics
 
-        plan, fit = self._plan
-        metrics = plan_metrics(plan, global_lengths, fit or self._lb_mini.cost, "odc_balance")
-        if fit is not None:
-            slowest = min(range(plan.dp_size), key=lambda r: fit.speeds[r])
-            tokens = [sum(global_lengths[p] for p in share) for share in plan.steps[0]]
-            metrics["odc_balance/fit_error"] = fit.error
-            metrics["odc_balance/rank_speed_min"] = fit.speeds[slowest]
-            # below 1: the rank the fit finds slowest trains fewer tokens than the mean
-            metrics["odc_balance/slowest_rank_tokens"] = tokens[slowest] * plan.dp_size / sum(tokens)
-        return metrics
+class _RayShares(_ODCSFT):
+    """Ray's trainer: the driver plans the global batch and hands each worker its share."""
+
+    def _build_config(self):
+        from odc_patches.lb_mini_dispatch import check_dispatch
+
+        check_dispatch()  # what run_on_pieces calls of verl's, checked before any worker starts
+        super()._build_config()
+
+    def _train(self, client, data):
+        if self._lb_mini is None:
+            return client.train_batch(data).get()
+        from verl.utils import tensordict_utils as tu
+
+        from odc_patches.lb_mini_dispatch import MESH_TRAIN, mesh_ranks, run_on_pieces
+
+        self._lengths = self._get_batch_seqlens(data).tolist()
+        self._plan = self._plan_of(self._lengths, max(mesh_ranks(client, MESH_TRAIN)) + 1)
+        start = time.perf_counter()
+        pieces = [tu.index_select_tensor_dict(data, list(share)) for share in self._plan[0].steps[0]]
+        output = run_on_pieces(client, "train_batch", MESH_TRAIN, pieces)
+        self._balance_s["odc_balance/exchange_s"] = time.perf_counter() - start
+        return output.get()
+
+    @staticmethod
+    def _returned(output):
+        return _Done(output)  # verl's Ray trainer calls get() on what train_batch returns
 
 
 class _PlannedClient:
-    """verl's TrainingWorker as the SFT trainer calls it: `train_batch` trains this rank's share of the plan,
-    and every metric comes back as one number per key."""
+    """verl's TrainingWorker (or Ray worker group) as the SFT trainer calls it: `train_batch` trains each
+    rank's share of the plan, and every metric comes back as one number per key."""
 
     def __init__(self, client, trainer: _ODCSFT):
         self._client, self._trainer = client, trainer
@@ -185,21 +233,27 @@ class _PlannedClient:
 
     def train_batch(self, data):
         trainer = self._trainer
-        planned = trainer._plan is not None
-        if planned:
-            start = time.perf_counter()
-            data = trainer._share(data)
-            trainer._balance_s["odc_balance/exchange_s"] = time.perf_counter() - start
-        output = self._client.train_batch(data)
+        output = trainer._train(self._client, data)
         if output is not None:
             from verl.utils import tensordict_utils as tu
 
             metrics = tu.get(output, "metrics")
             flatten_odc_metrics(metrics)
-            if planned:
+            if trainer._plan is not None:
                 metrics.update(trainer._balance_metrics(trainer._lengths), **trainer._balance_s)
+                trainer._lb_mini.observe(metrics, "")  # the engine's fit: the next step's plan uses it
         trainer._plan = None
-        return output
+        return trainer._returned(output)
+
+
+class _Done:
+    """A Ray call's output already gathered, as the trainer takes it (`get()`)."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def get(self):
+        return self._value
 
 
 def flatten_odc_metrics(metrics: dict) -> None:

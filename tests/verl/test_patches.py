@@ -16,6 +16,7 @@ import pytest
 import torch
 import verl
 from verl.experimental.separation.engine_workers import DetachActorWorker
+from verl.single_controller.base import decorator
 from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, dispatch_lazy_compute_data_proto, register
 from verl.utils.metric import Metric
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
@@ -328,6 +329,13 @@ REFUSALS = {
         "training_worker",
         W,
         "infer_batch is no longer dispatched by dispatch_lazy_compute_data_proto",
+    ),
+    "dispatch: another collect function": (
+        lambda mp: mp.setattr(decorator, "collect_lazy_compute_data_proto", lambda worker_group, output: output),
+        lb_mini_dispatch,
+        "training_worker",
+        W,
+        r"collect_lazy_compute_data_proto\(worker_group, output\) changed",
     ),
     "detach: strategy handlers picked otherwise": (
         lambda mp: mp.setattr(D, "_get_strategy_handlers", lambda self: None),

@@ -1,7 +1,8 @@
-"""verl's SPMD SFT trainer (`torchrun -m verl.trainer.sft_trainer`) under odc against fsdp2, on CPU ranks.
+"""verl's SFT trainers (`torchrun -m verl.trainer.sft_trainer`, `python -m verl.trainer.sft_trainer_ray`)
+under odc against fsdp2, on CPU ranks.
 
 Every run is verl's real trainer started as a user starts it (odc-sft-cpu's commands): the same data,
-weights and settings, the strategy alone differing. Compared step by step: train/loss and
+weights and settings, the strategy alone differing; each trainer against itself. Compared step by step: train/loss and
 train/grad_norm to 1e-5, val/loss; LB-Mini's shares uneven where a rank is slow; a checkpoint of one
 strategy resumed by the other.
 """
@@ -17,9 +18,6 @@ from odc_plugin.verl.cpu import SLOW_RANKS_ENV
 from odc_plugin.verl.cpu import sft as sft_cpu
 from odc_plugin.verl.cpu.assets import ensure_assets
 
-# a group per fixture: each is a few trainer runs
-TWO_RANKS = pytest.mark.xdist_group("tests/verl/test_sft.py::two_ranks")
-SLOW_RANK = pytest.mark.xdist_group("tests/verl/test_sft.py::slow_rank")
 TOLERANCE = 1e-5
 STEPS = 3
 
@@ -33,13 +31,21 @@ def _metrics(path: str) -> dict[int, dict[str, float]]:
     return steps
 
 
-def _run(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, steps: int = STEPS) -> dict:
+def _by_trainer(fixture: str) -> list:
+    """A fixture's params, one per trainer, each an xdist group of its own: each is a few trainer runs."""
+    return [pytest.param(t, marks=pytest.mark.xdist_group(f"tests/verl/test_sft.py::{fixture}::{t}")) for t in TRAINERS]
+
+
+TRAINERS = ("torchrun", "ray")
+
+
+def _run(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False) -> dict:
     out = str(tmp / name)
     os.makedirs(out, exist_ok=True)
     files = sft_cpu.write_data(out, ranks * 4 * STEPS, ranks * 4, seed=0, emulation=None)
-    shared = sft_cpu.settings(ensure_assets().model_dir, files, ranks, steps, 4, emulated=False)
+    shared = sft_cpu.settings(ensure_assets().model_dir, files, ranks, STEPS, 4, emulated=False)
     args = sft_cpu.run_args(shared, strategy, list(extra), out)
-    code, _, log = sft_cpu.run_trainer(strategy, ranks, args, out, env or {}, timeout_s=600)
+    code, _, log = sft_cpu.run_trainer(strategy, ranks, args, out, env or {}, timeout_s=600, ray=ray)
     assert code == 0, sft_cpu.last_error(log)
     return {"dir": out, "metrics": _metrics(os.path.join(out, f"{strategy}.jsonl"))}
 
@@ -51,20 +57,19 @@ def _assert_same_training(base: dict, cand: dict, steps) -> None:
             assert abs(c - b) <= TOLERANCE * abs(b), f"step {step} {key}: fsdp2 {b}, odc {c}"
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=_by_trainer("two_ranks"))
+def two_ranks(request, tmp_path_factory):
     """2 ranks, dynamic batch size, checkpoints at step 2: fsdp2 and odc, then each resumed by the other."""
-    tmp = tmp_path_factory.mktemp("sft2")
+    tmp, ray = tmp_path_factory.mktemp(f"sft2-{request.param}"), request.param == "ray"
     save = ["trainer.save_freq=2"]
-    runs = {s: _run(tmp, s, 2, s, save) for s in ("fsdp2", "odc")}
+    runs = {s: _run(tmp, s, 2, s, save, ray=ray) for s in ("fsdp2", "odc")}
     for strategy, other in (("odc", "fsdp2"), ("fsdp2", "odc")):
         checkpoint = os.path.join(runs[other]["dir"], "checkpoints", other, "global_step_2")
         resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"]
-        runs[f"{strategy}_from_{other}"] = _run(tmp, f"{strategy}_from_{other}", 2, strategy, resume)
+        runs[f"{strategy}_from_{other}"] = _run(tmp, f"{strategy}_from_{other}", 2, strategy, resume, ray=ray)
     return runs
 
 
-@TWO_RANKS
 def test_odc_trains_as_fsdp2_every_step_with_validation(two_ranks):
     fsdp2, odc = two_ranks["fsdp2"]["metrics"], two_ranks["odc"]["metrics"]
     _assert_same_training(fsdp2, odc, range(1, STEPS + 1))
@@ -73,7 +78,6 @@ def test_odc_trains_as_fsdp2_every_step_with_validation(two_ranks):
     assert isinstance(odc[1]["odc/compute_s_max"], float) and "odc_balance/efficiency" in odc[1]
 
 
-@TWO_RANKS
 @pytest.mark.parametrize("resumed", ["odc_from_fsdp2", "fsdp2_from_odc"])
 def test_a_checkpoint_of_one_strategy_resumes_under_the_other(two_ranks, resumed):
     """The resumed run trains step 3 on the batch step 3 trains on without a stop, to the same loss."""
@@ -82,16 +86,15 @@ def test_a_checkpoint_of_one_strategy_resumes_under_the_other(two_ranks, resumed
     _assert_same_training(two_ranks["fsdp2"]["metrics"], run, [STEPS])
 
 
-@pytest.fixture(scope="module")
-def slow_rank(tmp_path_factory):
+@pytest.fixture(scope="module", params=_by_trainer("slow_rank"))
+def slow_rank(request, tmp_path_factory):
     """4 ranks, rank 1 five times slow, a fixed micro-batch size of 2."""
-    tmp = tmp_path_factory.mktemp("sft4")
+    tmp = tmp_path_factory.mktemp(f"sft4-{request.param}")
     fixed = ["data.use_dynamic_bsz=False", "data.micro_batch_size_per_gpu=2"]
     env = {SLOW_RANKS_ENV: "1:5"}
-    return {s: _run(tmp, s, 4, s, fixed, env)["metrics"] for s in ("fsdp2", "odc")}
+    return {s: _run(tmp, s, 4, s, fixed, env, ray=request.param == "ray")["metrics"] for s in ("fsdp2", "odc")}
 
 
-@SLOW_RANK
 def test_a_slow_rank_gets_less_work_and_training_is_unchanged(slow_rank):
     _assert_same_training(slow_rank["fsdp2"], slow_rank["odc"], range(1, STEPS + 1))
     odc = slow_rank["odc"]
@@ -115,6 +118,8 @@ def test_the_sft_trainer_class_is_verls_without_odc_and_refuses_main_ppos_key():
     wrong_key = OmegaConf.create({"engine": {"strategy": "fsdp2"}, "model_engine": "odc"})
     with pytest.raises(ValueError, match="engine.strategy=odc"):
         trainer_class(sft_trainer.SFTTrainer, wrong_key)
-    with pytest.raises(ValueError, match="torchrun -m verl.trainer.sft_trainer"):
-        trainer_class(sft_trainer_ray.SFTTrainer, odc)
+    assert issubclass(trainer_class(sft_trainer_ray.SFTTrainer, odc), sft_trainer_ray.SFTTrainer)
+    other = type("SFTTrainer", (), {"__module__": "verl.trainer.sft_trainer_other"})
+    with pytest.raises(ValueError, match="python -m verl.trainer.sft_trainer_ray"):
+        trainer_class(other, odc)
     assert sft.wants_odc(OmegaConf.create({"engine": {"_target_": sft.ODC_ENGINE_CONFIG, "strategy": "odc"}}))

@@ -104,8 +104,14 @@ class _Watch(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
-        # Ray daemons outlive a killed driver; nothing of this run may stay behind.
-        _kill([p for p in self.seen.values() if p.is_running()] + ray_processes(self.ray_dir))
+        _kill([p for p in self.seen.values() if p.is_running()])
+        end_ray(self.ray_dir)
+
+
+def end_ray(ray_dir: str) -> None:
+    """Ray daemons outlive a killed driver; nothing of the run whose Ray session lived in `ray_dir` stays behind."""
+    _kill(ray_processes(ray_dir))
+    shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 # verl picks its rendezvous port by binding port 0 and releasing it (`get_master_addr_port`); rank 0
@@ -194,7 +200,6 @@ def _run_once(strategy: str, args: list[str], out_dir: str, steps: int, timeout_
             raise
         finally:
             watch.stop()
-            shutil.rmtree(ray_dir, ignore_errors=True)
     wall = time.monotonic() - start
     returncode = proc.returncode if not watch.timed_out else -signal.SIGKILL
     if watch.timed_out:

@@ -1,8 +1,9 @@
-"""`odc-sft-cpu`: verl's real SFT trainer (`torchrun -m verl.trainer.sft_trainer`) on this machine's CPU,
-once with `engine.strategy=fsdp2` and once with `engine.strategy=odc`, same data, weights and settings,
-then the A/B report of the two runs (with `--emulate`, also FSDP's lockstep on ODC's transport between them).
+"""`odc-sft-cpu`: verl's real SFT trainer (`torchrun -m verl.trainer.sft_trainer`, or with `--ray`
+`python -m verl.trainer.sft_trainer_ray`) on this machine's CPU, once with `engine.strategy=fsdp2` and once
+with `engine.strategy=odc`, same data, weights and settings, then the A/B report of the two runs (with
+`--emulate`, also FSDP's lockstep on ODC's transport between them).
 
-    odc-sft-cpu [--ranks N] [--steps N] [--out DIR] [--slow-ranks R:F] [key=value ...]
+    odc-sft-cpu [--ranks N] [--steps N] [--out DIR] [--slow-ranks R:F] [--ray] [key=value ...]
     odc-sft-cpu --emulate FIT.json [--ranks 16] [--length-factor K] [--time-scale X] ...
 
 The data set is written from the shipped tiny model's assets: multi-turn chats of the math problems, their
@@ -25,16 +26,18 @@ import shlex
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 
 from ...cli_args import number_arg
 from ...launch import stop_group
 from ...layer_time import parse_slow_ranks, time_scale_arg
+from ..sft import RAY_MODULE, SPMD_MODULE
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import ensure_assets, make_problems, prompt_messages
 from .emulation import Emulation, read_passes
-from .runner import follow, last_error, start_logged
+from .runner import end_ray, follow, last_error, start_logged
 
 ODC_OPTION = "engine.odc_"
 ODC_SEARCH_PATH = ("hydra.searchpath=[pkg://odc_plugin.configs]", "engine=odc")
@@ -142,17 +145,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: dict, timeout_s: float):
-    """One torchrun of verl's SFT trainer; (exit code, wall seconds, log file). The whole process group goes
-    when the time is up. verl's SFT trainer logs no time: each step's, from the moment its console line came
-    after the last step's, is added to the run's metrics file as `timing_s/step` (none for the first)."""
+def trainer_command(ranks: int, args: list[str], ray: bool, ray_dir: str | None) -> tuple[list[str], dict]:
+    """The command line and environment of one run: torchrun's trainer, or Ray's trainer on a Ray cluster of
+    its own (its session in `ray_dir`; as many Ray GPUs as ranks, which the CPU platform stands for)."""
+    if not ray:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={ranks}",
+            f"--master-port={_free_port()}",
+        ]
+        return [*cmd, "-m", SPMD_MODULE, *args], {}
+    # verl's Ray SFT trainer calls ray.init() with no arguments: Ray takes its resources from the environment
+    resources = json.dumps({"GPU": ranks, "CPU": 32 + 3 * ranks})
+    env = {"RAY_TMPDIR": ray_dir, "RAY_OVERRIDE_RESOURCES": resources}
+    return [sys.executable, "-m", RAY_MODULE, *args, f"trainer.n_gpus_per_node={ranks}"], env
+
+
+def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: dict, timeout_s: float, ray=False):
+    """One run of verl's SFT trainer (torchrun's, or with `ray` Ray's); (exit code, wall seconds, log file). The
+    whole process group, and Ray's processes, go when the time is up. verl's SFT trainer logs no time: each
+    step's, from the moment its console line came after the last step's, is added to the run's metrics file
+    as `timing_s/step` (none for the first)."""
     log_file = os.path.join(out_dir, f"{strategy}.log")
     metrics_file = os.path.join(out_dir, f"{strategy}.jsonl")
     if os.path.exists(metrics_file):
         os.remove(metrics_file)  # verl's file logger appends
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={_free_port()}"]
-    cmd += ["-m", "verl.trainer.sft_trainer", *args]
-    env = {**os.environ, **env, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file, "PYTHONUNBUFFERED": "1"}
+    # Ray's socket paths must stay short (AF_UNIX), so its session lives under /tmp, not under `out_dir`.
+    ray_dir = tempfile.mkdtemp(prefix="odc-ray-") if ray else None
+    cmd, own_env = trainer_command(ranks, args, ray, ray_dir)
+    env = {**os.environ, **env, **own_env, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # an empty value makes Ray hide its fake GPUs
     start, seen = time.monotonic(), {}
     with open(log_file, "w", encoding="utf-8") as log:
         proc = start_logged(cmd, env, log)
@@ -167,6 +192,8 @@ def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: d
             raise
         finally:
             timer.cancel()
+            if ray_dir:
+                end_ray(ray_dir)
         if expired.is_set():  # the line last_error reports
             log.write(f"TimeoutError: the run took longer than --timeout-s {timeout_s:g} s and was stopped\n")
     if code == 0:
@@ -198,6 +225,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="odc_sft_cpu", help="output directory (default ./odc_sft_cpu)")
     p.add_argument("--slow-ranks", metavar="R:F[,R:F]", help="rank R's layers take F times as long")
     p.add_argument("--samples-per-rank", type=number_arg(int, 1), help="per step (default 4; 8 with --emulate)")
+    p.add_argument("--ray", action="store_true", help="verl's Ray SFT trainer instead of torchrun's")
     p.add_argument("--emulate", metavar="FIT.json", help="emulate the layers' compute from this GPU cost fit")
     p.add_argument("--length-factor", type=number_arg(int, 1), default=16, help="true tokens per real token")
     p.add_argument("--time-scale", type=time_scale_arg, default=1.0, help="emulated seconds per fit second")
@@ -239,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             own.save(os.path.join(out_dir, f"{strategy}.emulation.json"))
             env[EMULATION_ENV] = os.path.join(out_dir, f"{strategy}.emulation.json")
         run = run_args(shared, strategy, args.overrides, out_dir)
-        print(f"run {strategy}: {shlex.join(['torchrun', '-m', 'verl.trainer.sft_trainer', *run])}")
-        code, wall, log_file = run_trainer(strategy, args.ranks, run, out_dir, env, args.timeout_s)
+        launcher = ["python", "-m", RAY_MODULE] if args.ray else ["torchrun", "-m", SPMD_MODULE]
+        print(f"run {strategy}: {shlex.join([*launcher, *run])}")
+        code, wall, log_file = run_trainer(strategy, args.ranks, run, out_dir, env, args.timeout_s, args.ray)
         if code == 0 and emulation:
             add_metrics(os.path.join(out_dir, f"{strategy}.jsonl"), update_times(own.passes_dir))
         print(f"run {strategy}: {'finished' if code == 0 else 'FAILED'} in {wall:.0f} s")
