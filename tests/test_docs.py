@@ -41,6 +41,8 @@ NOT_RUN = {
     "through odc-grpo-cpu, below and in tests/verl",
     "torchrun --nproc-per-node 8 -m verl.trainer.sft_trainer": "a user's own SFT config on GPUs; on CPU the same "
     "trainer runs through odc-sft-cpu, below and in tests/verl/test_sft.py",
+    "python -m verl.trainer.sft_trainer_ray": "a user's own SFT config on GPUs; on CPU the same trainer runs "
+    "through odc-sft-cpu --ray, in tests/verl/test_sft.py",
     "PYTHONPATH=. python": "beside the GPU check (docs/gpu.md): needs a GPU",
     "for n in": "beside the GPU check: real compute at 4-16 ranks, minutes of a 16-core machine",
     "python3 benchmarks/gpu_check.py": "needs a GPU; tests/benchmarks/test_gpu_check.py runs its dry run and "
