@@ -37,18 +37,30 @@ def verl_rank_partition(seqlens: Sequence[int], dp_size: int) -> list[list[int]]
     return get_seqlen_balanced_partitions(workloads, k_partitions=dp_size, equal_size=True)
 
 
-def lb_micro(seqlens: Sequence[int], dp_size: int, max_token_len: int, micro_batch_size: int | None = None) -> RankPlan:
+def lb_micro(
+    seqlens: Sequence[int],
+    dp_size: int,
+    max_token_len: int,
+    micro_batch_size: int | None = None,
+    balance_ranks: bool = True,
+) -> RankPlan:
     """Per rank, micro-batches of sample indices in verl's execution order; the same count on every rank.
 
     With `micro_batch_size` (verl's `ppo_micro_batch_size_per_gpu`, no dynamic batch size) every micro-batch
-    holds that many samples, whatever their tokens, as verl's prepare_micro_batches cuts a share."""
+    holds that many samples, whatever their tokens, as verl's prepare_micro_batches cuts a share. Without
+    `balance_ranks` each rank takes its contiguous chunk of the mini-batch, as verl's torchrun SFT trainer's
+    ranks take their samplers' shares (the lengths come in the sampler's random order)."""
     lens = check_minibatch(seqlens, dp_size, max_token_len)
-    ranks = verl_rank_partition(lens, dp_size)
+    each = len(lens) // dp_size
+    ranks = (
+        verl_rank_partition(lens, dp_size)
+        if balance_ranks
+        else [list(range(r * each, (r + 1) * each)) for r in range(dp_size)]
+    )
     if micro_batch_size is not None:
-        per_rank = len(lens) // dp_size
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or per_rank % micro_batch_size:
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or each % micro_batch_size:
             raise ValueError(
-                f"verl cuts each rank's {per_rank} samples into micro-batches of micro_batch_size samples, which "
+                f"verl cuts each rank's {each} samples into micro-batches of micro_batch_size samples, which "
                 f"must divide them; got micro_batch_size={micro_batch_size!r}"
             )
         return [chunk(rank, micro_batch_size) for rank in ranks]

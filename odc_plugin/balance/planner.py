@@ -170,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draws", type=POSITIVE_INT, help="mini-batches averaged per row; default 5, for a run's lengths its steps"
     )
+    p.add_argument(
+        "--fsdp-shares",
+        choices=["balanced", "sampler"],
+        help="FSDP's rank shares: balanced (the default: verl's PPO trainer, its Ray SFT trainer) or sampler "
+        "(verl's torchrun SFT trainer: each rank its own sampler's)",
+    )
     p.add_argument("--seed", type=number_arg(int, strict=False), default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot speedup and idle fraction")
@@ -217,6 +223,7 @@ def _check_combination(p: argparse.ArgumentParser, args) -> None:
             "--sp": args.sp,
             "--plot": args.plot,
             "--layer-comm-bytes": args.layer_comm_bytes,
+            "--fsdp-shares": args.fsdp_shares,
         }
         unused = [option for option, value in given.items() if value is not None]
         if unused:
@@ -286,11 +293,14 @@ def _print_table(args, source: LengthSource, cost: str, rows, max_token_len: int
         rows_json = [asdict(r) | {"speedup": {s: r.speedup(s) for s in r.seconds}} for r in rows]
         header = {"lengths": args.lengths, "lengths_from": source.what, "cost": args.cost, "cost_model": cost}
         header["speedup_baseline"] = SPEEDUP_BASELINE  # every row's "speedup" is over this scheme's time
+        header["fsdp_shares"] = args.fsdp_shares or "balanced"
         batch = {"max_token_len": max_token_len, "micro_batch_size": args.micro_batch_size}
         print(json.dumps({**header, **batch, "rows": rows_json}))
         return
     print(f"lengths: {source.what}")
     print(f"cost={cost} {batching} draws={args.draws}; time = cost / {throughput:g} per second")
+    if args.fsdp_shares == "sampler":
+        print("FSDP+LB-Micro: each rank trains its own sampler's share (verl's torchrun SFT trainer), unbalanced")
     if any(sp > 1 for sp in args.sp):
         print(
             "sp: Ulysses group size; 'per rank' is then per group, whose micro-batches hold sp x max_token_len tokens"
@@ -344,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 micro_batch_size=args.micro_batch_size,
                 skipped=left_out,
                 ulysses=UlyssesModel.from_config(args.model, args.gpus_per_node, args.intra_node_bw),
+                balance_ranks=args.fsdp_shares != "sampler",
             )
     except ValueError as e:
         p.error(str(e))

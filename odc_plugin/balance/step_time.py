@@ -177,13 +177,15 @@ def compare_schemes(
     model: StepTimeModel = StepTimeModel(),
     micro_batch_size: int | None = None,
     ulysses: UlyssesModel | None = None,
+    balance_ranks: bool = True,
 ) -> Comparison:
     """Plan one mini-batch with LB-Micro and LB-Mini and time it under the three schemes (with
-    `micro_batch_size`, verl's fixed micro-batch size, instead of dynamic batch size); with `ulysses`, also
-    LB-Mini splitting its longest samples over Ulysses groups (split.lb_mini_split), and that scheme's limit."""
+    `micro_batch_size`, verl's fixed micro-batch size, instead of dynamic batch size; without `balance_ranks`,
+    LB-Micro's ranks take their samplers' shares, `lb_micro`); with `ulysses`, also LB-Mini splitting its
+    longest samples over Ulysses groups (split.lb_mini_split), and that scheme's limit."""
     cost = get_cost_model(cost)
     costs = cost.costs(seqlens)
-    micro = lb_micro(seqlens, dp_size, max_token_len, micro_batch_size)
+    micro = lb_micro(seqlens, dp_size, max_token_len, micro_batch_size, balance_ranks)
     mini = lb_mini(seqlens, dp_size, max_token_len, cost=cost, baseline=micro, micro_batch_size=micro_batch_size)
     times = {
         "fsdp_lb_micro": simulate_minibatch(micro, costs, lockstep=True, model=model),
@@ -263,6 +265,7 @@ def plan_table(
     micro_batch_size: int | None = None,
     skipped: list[str] | None = None,
     ulysses: UlyssesModel | None = None,
+    balance_ranks: bool = True,
 ) -> list[PlanRow]:
     """One row per (ranks, sequence-parallel size, mini-batch size) that divides evenly, as verl requires;
     `ranks` are GPUs; `draw(n, seed)` gives the lengths of one mini-batch of n samples. Every row sees the
@@ -286,7 +289,14 @@ def plan_table(
                     continue
                 runs = [
                     compare_schemes(
-                        draw(size, seed + d), dp, max_token_len * sp, cost, group_model, micro_batch_size, groups
+                        draw(size, seed + d),
+                        dp,
+                        max_token_len * sp,
+                        cost,
+                        group_model,
+                        micro_batch_size,
+                        groups,
+                        balance_ranks,
                     )
                     for d in range(draws)
                 ]

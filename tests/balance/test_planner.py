@@ -207,6 +207,7 @@ def test_cli_plans_a_runs_steps_with_fixed_micro_batches(tmp_path, monkeypatch, 
             "--model is for --cost flops (or --nodes without --model-params)",
         ),
         (["--model-params", "1e9"], "--model-params is for --nodes; drop it or give --nodes"),
+        (["--nodes", "2", "--fsdp-shares", "sampler"], "--fsdp-shares: not used with --nodes"),
     ],
 )
 def test_cli_refuses_bad_numbers_and_unused_options_in_one_line(argv, message, capsys):
@@ -240,3 +241,20 @@ def test_cli_names_the_baseline_and_the_rows_it_leaves_out(tmp_path, capsys):
     assert out == "" and err.splitlines()[-1].endswith(
         "zeros.json: every length is 0, nothing to balance; give the file of the real lengths"
     )
+
+
+def test_fsdp_with_its_samplers_shares_is_the_torchrun_sft_trainers_baseline(capsys):
+    """Without rank balancing each rank trains its contiguous chunk of the (randomly ordered) mini-batch, as
+    verl's torchrun SFT trainer's ranks train their samplers' shares: FSDP is slower, LB-Mini's plan the same."""
+    from odc_plugin.balance.lb_micro import lb_micro
+
+    lens = [100, 5000, 200, 300, 4000, 150, 250, 350]
+    shares = lb_micro(lens, 2, 8192, micro_batch_size=2, balance_ranks=False)
+    assert shares == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    args = ["--lengths", "sft", "--ranks", "8", "--minibatch-sizes", "64", "--draws", "2", "--cost", "tokens"]
+    rows = {}
+    for shares in ("balanced", "sampler"):
+        main([*args, "--fsdp-shares", shares, "--json"])
+        (rows[shares],) = json.loads(capsys.readouterr().out)["rows"]
+    assert rows["sampler"]["seconds"]["fsdp_lb_micro"] > rows["balanced"]["seconds"]["fsdp_lb_micro"]
+    assert rows["sampler"]["seconds"]["odc_lb_mini"] == pytest.approx(rows["balanced"]["seconds"]["odc_lb_mini"])
