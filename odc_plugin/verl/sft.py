@@ -201,15 +201,27 @@ class _RayShares(_ODCSFT):
         check_dispatch()  # what run_on_pieces calls of verl's, checked before any worker starts
         super()._build_config()
 
+    def _build_engine(self):
+        super()._build_engine()
+        from odc_patches.lb_mini_dispatch import MESH_TRAIN, mesh_ranks
+
+        self._dp_size = max(mesh_ranks(self.training_client, MESH_TRAIN)) + 1
+        if self._lb_mini is not None and self.global_batch_size % self._dp_size:
+            # verl's equal split refuses it at the first step; LB-Mini's plan starts from that split
+            raise ValueError(
+                f"odc: data.train_batch_size={self.global_batch_size} does not divide over the {self._dp_size} "
+                f"data-parallel ranks; give it a multiple of {self._dp_size}"
+            )
+
     def _train(self, client, data):
         if self._lb_mini is None:
             return client.train_batch(data).get()
         from verl.utils import tensordict_utils as tu
 
-        from odc_patches.lb_mini_dispatch import MESH_TRAIN, mesh_ranks, run_on_pieces
+        from odc_patches.lb_mini_dispatch import MESH_TRAIN, run_on_pieces
 
         self._lengths = self._get_batch_seqlens(data).tolist()
-        self._plan = self._plan_of(self._lengths, max(mesh_ranks(client, MESH_TRAIN)) + 1)
+        self._plan = self._plan_of(self._lengths, self._dp_size)
         start = time.perf_counter()
         pieces = [tu.index_select_tensor_dict(data, list(share)) for share in self._plan[0].steps[0]]
         output = run_on_pieces(client, "train_batch", MESH_TRAIN, pieces)

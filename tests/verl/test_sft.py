@@ -39,13 +39,19 @@ def _by_trainer(fixture: str) -> list:
 TRAINERS = ("torchrun", "ray")
 
 
-def _run(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False) -> dict:
+def _start(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False) -> tuple[int, str, str]:
+    """One run of verl's SFT trainer: (exit code, its output directory, its log)."""
     out = str(tmp / name)
     os.makedirs(out, exist_ok=True)
     files = sft_cpu.write_data(out, ranks * 4 * STEPS, ranks * 4, seed=0, emulation=None)
     shared = sft_cpu.settings(ensure_assets().model_dir, files, ranks, STEPS, 4, emulated=False)
     args = sft_cpu.run_args(shared, strategy, list(extra), out)
     code, _, log = sft_cpu.run_trainer(strategy, ranks, args, out, env or {}, timeout_s=600, ray=ray)
+    return code, out, log
+
+
+def _run(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False) -> dict:
+    code, out, log = _start(tmp, name, ranks, strategy, extra, env, ray)
     assert code == 0, sft_cpu.last_error(log)
     return {"dir": out, "metrics": _metrics(os.path.join(out, f"{strategy}.jsonl"))}
 
@@ -123,3 +129,13 @@ def test_the_sft_trainer_class_is_verls_without_odc_and_refuses_main_ppos_key():
     with pytest.raises(ValueError, match="python -m verl.trainer.sft_trainer_ray"):
         trainer_class(other, odc)
     assert sft.wants_odc(OmegaConf.create({"engine": {"_target_": sft.ODC_ENGINE_CONFIG, "strategy": "odc"}}))
+
+
+def test_the_ray_trainer_refuses_a_batch_its_ranks_cannot_share_at_start(tmp_path):
+    """7 samples over 2 ranks: verl's equal split fails at the first step, odc before it in one line."""
+    code, out, log = _start(tmp_path, "odc", 2, "odc", ["data.train_batch_size=7"], ray=True)
+    assert code != 0 and not os.path.exists(os.path.join(out, "odc.jsonl"))
+    assert sft_cpu.last_error(log) == (
+        "ValueError: odc: data.train_batch_size=7 does not divide over the 2 data-parallel ranks; "
+        "give it a multiple of 2"
+    )
