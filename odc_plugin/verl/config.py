@@ -14,8 +14,6 @@ from ..comm.base import is_positive_finite
 # annotations, which must be the types themselves.
 Balancer = Literal["lb_mini", "lb_micro"]
 CostModelName = Literal["tokens", "flops", "fit", "auto"]
-BALANCERS: tuple[str, ...] = get_args(Balancer)
-COST_MODELS: tuple[str, ...] = get_args(CostModelName)
 
 
 @dataclass(kw_only=True)
