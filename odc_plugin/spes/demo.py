@@ -59,8 +59,9 @@ class SPESDemoConfig:
     """Where odc_spes.json and odc_spes.png go."""
 
     def __post_init__(self):
-        if self.nodes < 1:
-            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        for key in ("nodes", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.sync_every < 1 or self.steps < 1 or self.steps % self.sync_every:
             raise ValueError(
                 f"--steps must be a positive multiple of the sync period {self.sync_every}, got {self.steps}"
@@ -357,6 +358,7 @@ def main(argv=None) -> None:
     p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, default=defaults.outer_optimizer)
     p.add_argument("--outer-lr", type=float, default=defaults.outer_lr)
     p.add_argument("--outer-momentum", type=float, default=defaults.outer_momentum)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per node per step")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out", default=defaults.out_dir, help="directory for odc_spes.json and odc_spes.png")
     args = p.parse_args(argv)
@@ -370,6 +372,7 @@ def main(argv=None) -> None:
             outer_optimizer=args.outer_optimizer,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
+            batch_size=args.batch_size,
             seed=args.seed,
             out_dir=args.out,
         )

@@ -60,6 +60,7 @@ def test_tiny_run_reports_every_mode(tmp_path, capsys):
     [
         (["--nodes", "3"], "--nodes 3: num_experts (8) must be divisible by the number of nodes (3)"),
         (["--nodes", "0"], "--nodes must be >= 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--steps", "25"], "--steps must be a positive multiple of the sync period 10, got 25"),
         (["--outer-lr", "-1"], "--outer-lr must be > 0, got -1.0"),
         (["--outer-momentum", "1"], "--outer-momentum must be in [0, 1), got 1.0"),
