@@ -139,3 +139,14 @@ def test_the_ray_trainer_refuses_a_batch_its_ranks_cannot_share_at_start(tmp_pat
         "ValueError: odc: data.train_batch_size=7 does not divide over the 2 data-parallel ranks; "
         "give it a multiple of 2"
     )
+
+
+def test_the_ray_trainers_cluster_holds_its_resource_pool():
+    """Ray schedules verl's workers only once every bundle fits: a bundle of max_colocate_count CPUs a rank."""
+    from verl.single_controller.ray.base import RayResourcePool
+
+    for ranks in (2, 16, 64):
+        _, env = sft_cpu.trainer_command(ranks, [], True, "/tmp/unused")
+        resources = json.loads(env["RAY_OVERRIDE_RESOURCES"])
+        assert resources["GPU"] == ranks
+        assert resources["CPU"] >= ranks * RayResourcePool([ranks]).max_colocate_count

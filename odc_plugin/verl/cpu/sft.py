@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import random
@@ -157,8 +158,13 @@ def trainer_command(ranks: int, args: list[str], ray: bool, ray_dir: str | None)
             f"--master-port={_free_port()}",
         ]
         return [*cmd, "-m", SPMD_MODULE, *args], {}
-    # verl's Ray SFT trainer calls ray.init() with no arguments: Ray takes its resources from the environment
-    resources = json.dumps({"GPU": ranks, "CPU": 32 + 3 * ranks})
+    # verl's Ray SFT trainer calls ray.init() with no arguments: Ray takes its resources from the environment.
+    # Its resource pool asks a bundle of `max_colocate_count` CPUs (verl's default) per rank: too few, and the
+    # placement group waits forever.
+    from verl.single_controller.ray.base import RayResourcePool
+
+    per_rank = inspect.signature(RayResourcePool.__init__).parameters["max_colocate_count"].default
+    resources = json.dumps({"GPU": ranks, "CPU": per_rank * ranks + 8})
     env = {"RAY_TMPDIR": ray_dir, "RAY_OVERRIDE_RESOURCES": resources}
     return [sys.executable, "-m", RAY_MODULE, *args, f"trainer.n_gpus_per_node={ranks}"], env
 
