@@ -52,11 +52,7 @@ def lb_micro(
     ranks take their samplers' shares (the lengths come in the sampler's random order)."""
     lens = check_minibatch(seqlens, dp_size, max_token_len)
     each = len(lens) // dp_size
-    ranks = (
-        verl_rank_partition(lens, dp_size)
-        if balance_ranks
-        else [list(range(r * each, (r + 1) * each)) for r in range(dp_size)]
-    )
+    ranks = verl_rank_partition(lens, dp_size) if balance_ranks else chunk(list(range(len(lens))), each)
     if micro_batch_size is not None:
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or each % micro_batch_size:
             raise ValueError(

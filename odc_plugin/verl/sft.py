@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from ..balance.common import chunk
 from .config import config_value
 
 # verl's SFT trainer modules, and what odc changes in their trainers (`trainer_class`)
@@ -121,8 +122,7 @@ class _ODCSFT:
     def _plan_of(self, lengths: list[int], dp: int):
         """LB-Mini's plan of one step over `dp` ranks, verl's share being each rank's contiguous chunk."""
         start = time.perf_counter()
-        each = len(lengths) // dp
-        plan = self._lb_mini.plan(lengths, [[list(range(r * each, (r + 1) * each)) for r in range(dp)]])
+        plan = self._lb_mini.plan(lengths, [chunk(list(range(len(lengths))), len(lengths) // dp)])
         self._balance_s["odc_balance/plan_s"] = time.perf_counter() - start
         return plan
 

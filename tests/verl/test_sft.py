@@ -2,8 +2,8 @@
 under odc against fsdp2, on CPU ranks.
 
 Every run is verl's real trainer started as a user starts it (odc-sft-cpu's commands): the same data,
-weights and settings, the strategy alone differing; each trainer against itself. Compared step by step: train/loss and
-train/grad_norm to 1e-5, val/loss; LB-Mini's shares uneven where a rank is slow; a checkpoint of one
+weights and settings, the strategy alone differing; each trainer against itself. Compared step by step:
+train/loss and train/grad_norm to 1e-5, val/loss; LB-Mini's shares uneven where a rank is slow; a checkpoint of one
 strategy resumed by the other.
 """
 

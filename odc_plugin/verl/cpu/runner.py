@@ -168,15 +168,27 @@ def follow(proc: subprocess.Popen, log, on_step) -> None:
             on_step(int(match.group(1)), line)
 
 
-def _run_once(strategy: str, args: list[str], out_dir: str, steps: int, timeout_s: float, echo) -> RunResult:
+def run_files(out_dir: str, strategy: str) -> tuple[str, str]:
+    """A run's log and metrics files in `out_dir`; an earlier run's metrics go (verl's file logger appends)."""
     log_file = os.path.join(out_dir, f"{strategy}.log")
     metrics_file = os.path.join(out_dir, f"{strategy}.jsonl")
     if os.path.exists(metrics_file):
-        os.remove(metrics_file)  # verl's file logger appends
-    # Ray's socket paths must stay short (AF_UNIX), so its session lives under /tmp, not under `out_dir`.
-    ray_dir = tempfile.mkdtemp(prefix="odc-ray-")
+        os.remove(metrics_file)
+    return log_file, metrics_file
+
+
+def ray_session(env: dict) -> str:
+    """A new directory for one run's Ray session (under /tmp, not beside the run's output: Ray's AF_UNIX socket
+    paths must stay short); `env`, the run's environment, loses CUDA_VISIBLE_DEVICES, whose empty value makes
+    Ray hide the CPU platform's GPUs."""
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return tempfile.mkdtemp(prefix="odc-ray-")
+
+
+def _run_once(strategy: str, args: list[str], out_dir: str, steps: int, timeout_s: float, echo) -> RunResult:
+    log_file, metrics_file = run_files(out_dir, strategy)
     env = {**os.environ, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file, "PYTHONUNBUFFERED": "1"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # an empty value makes Ray hide its fake GPUs
+    ray_dir = ray_session(env)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *args, f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]
     start = time.monotonic()
     done = 0

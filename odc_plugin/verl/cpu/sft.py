@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import random
@@ -27,7 +26,6 @@ import shlex
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 
@@ -38,7 +36,7 @@ from ..sft import RAY_MODULE, SPMD_MODULE
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
 from .assets import ensure_assets, make_problems, prompt_messages
 from .emulation import Emulation, read_passes
-from .runner import end_ray, follow, last_error, start_logged
+from .runner import end_ray, follow, last_error, ray_session, run_files, start_logged
 
 ODC_OPTION = "engine.odc_"
 ODC_SEARCH_PATH = ("hydra.searchpath=[pkg://odc_plugin.configs]", "engine=odc")
@@ -159,11 +157,11 @@ def trainer_command(ranks: int, args: list[str], ray: bool, ray_dir: str | None)
         ]
         return [*cmd, "-m", SPMD_MODULE, *args], {}
     # verl's Ray SFT trainer calls ray.init() with no arguments: Ray takes its resources from the environment.
-    # Its resource pool asks a bundle of `max_colocate_count` CPUs (verl's default) per rank: too few, and the
-    # placement group waits forever.
+    # Its resource pool, built as the trainer builds it, asks a bundle of `max_colocate_count` CPUs per rank: too
+    # few, and the placement group waits forever.
     from verl.single_controller.ray.base import RayResourcePool
 
-    per_rank = inspect.signature(RayResourcePool.__init__).parameters["max_colocate_count"].default
+    per_rank = RayResourcePool(process_on_nodes=[ranks]).max_colocate_count
     resources = json.dumps({"GPU": ranks, "CPU": per_rank * ranks + 8})
     env = {"RAY_TMPDIR": ray_dir, "RAY_OVERRIDE_RESOURCES": resources}
     return [sys.executable, "-m", RAY_MODULE, *args, f"trainer.n_gpus_per_node={ranks}"], env
@@ -174,16 +172,11 @@ def run_trainer(strategy: str, ranks: int, args: list[str], out_dir: str, env: d
     whole process group, and Ray's processes, go when the time is up. verl's SFT trainer logs no time: each
     step's, from the moment its console line came after the last step's, is added to the run's metrics file
     as `timing_s/step` (none for the first)."""
-    log_file = os.path.join(out_dir, f"{strategy}.log")
-    metrics_file = os.path.join(out_dir, f"{strategy}.jsonl")
-    if os.path.exists(metrics_file):
-        os.remove(metrics_file)  # verl's file logger appends
-    # Ray's socket paths must stay short (AF_UNIX), so its session lives under /tmp, not under `out_dir`.
-    ray_dir = tempfile.mkdtemp(prefix="odc-ray-") if ray else None
+    log_file, metrics_file = run_files(out_dir, strategy)
+    env = {**os.environ, **env, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file, "PYTHONUNBUFFERED": "1"}
+    ray_dir = ray_session(env) if ray else None
     cmd, own_env = trainer_command(ranks, args, ray, ray_dir)
-    env = {**os.environ, **env, **own_env, PLATFORM_ENV: "cpu", "VERL_FILE_LOGGER_PATH": metrics_file}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # an empty value makes Ray hide its fake GPUs
+    env.update(own_env)
     start, seen = time.monotonic(), {}
     with open(log_file, "w", encoding="utf-8") as log:
         proc = start_logged(cmd, env, log)
