@@ -8,7 +8,9 @@ since `odc` builds through verl's own method) gets decoder layers timed by a `Co
   measure, or F times the emulated time;
 - with `ODC_EMULATION` naming a run's Emulation (odc_plugin/verl/cpu/emulation.py, `odc-grpo-cpu
   --emulate`) each layer takes the GPU fit's time for its micro-batch's true lengths (the engine's
-  sequence lengths times the length factor, set before each micro-batch's forward), and each rank records
+  sequence lengths times the length factor, set before each micro-batch's forward); a micro-batch under a
+  Ulysses group of k (verl's own, or a split sample's under odc_split) a k-th of it, plus the modelled
+  all-to-alls of the fit's model (odc_plugin.balance.split.UlyssesModel); and each rank records
   every mini-batch it runs (phase, micro-batches) for the planner's prediction and the idle time.
 
 verl 0.9.1 builds the sharded module in `FSDPEngine._build_fsdp_module(self, module)`
@@ -60,14 +62,19 @@ def _time_engine(engine, emulator, emulation) -> None:
     mini-batch; both on the engine instance, whose forward_backward_batch (verl's or odc's) calls them."""
     import torch.distributed as dist
 
+    from odc_plugin.balance.split import UlyssesModel
     from odc_plugin.verl.cpu.emulation import record_pass
 
     forward_step, forward_backward_batch = engine.forward_step, engine.forward_backward_batch
     ran: list[list[int]] = []
+    fit = emulation.layer_fit()
+    all_to_alls = UlyssesModel.from_config(fit.model)
 
     def timed_forward_step(micro_batch, loss_function, forward_only):
         lengths = micro_batch["input_ids"].offsets().diff().tolist()  # verl's no-padding layout, as verl reads it
-        emulator.micro_batch(emulation.true_lengths(lengths))
+        true = emulation.true_lengths(lengths)
+        k = engine.ulysses_sequence_parallel_size  # read now: a split micro-batch's group under odc_split
+        emulator.micro_batch(true, 1 / k, all_to_alls.seconds(sum(true), k) * fit.time_scale)
         ran.append(lengths)
         return forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
 

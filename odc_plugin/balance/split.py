@@ -16,7 +16,7 @@ odc_plugin.fsdp.ulysses runs its split micro-batches.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from odc_plugin.balance.common import NVLINK_BW, RankPlan, check_minibatch
 from odc_plugin.balance.costs import CostModel, FlopsCost, get_cost_model, model_config
@@ -103,6 +103,9 @@ class Split:
 class SplitPlan:
     splits: tuple[Split, ...]  # run first, in this order, each on every rank of its group
     ranks: RankPlan  # then, per rank, its micro-batches of the other samples
+    # lb_mini_split's predictions (cost over speed): this plan's mini-batch, and LB-Mini's unsplit one
+    seconds: float = 0.0
+    unsplit_seconds: float = 0.0
 
 
 def group_finish(splits: Sequence[Split], dp_size: int, duration: Callable[[Split], float]) -> list[float]:
@@ -199,6 +202,7 @@ def lb_mini_split(
     sizes = ulysses.group_sizes(dp_size)
     bound = throughput * split_limit(costs, lens, [1 / v for v in speeds], ulysses, throughput).seconds
     plain_time = predict(plain)
+    plain = replace(plain, seconds=plain_time, unsplit_seconds=plain_time)
     # Nothing to win where no plan, split or not, could be min_gain faster: most mini-batches of many
     # samples per rank, which LB-Mini already brings near the work bound.
     if len(sizes) == 1 or bound > plain_time * (1 - min_gain):
@@ -237,4 +241,7 @@ def lb_mini_split(
     ladder = {bound * 2 ** (-j / 2) for j in range(2 * len(sizes) - 1)}
     targets = sorted(ladder | {p for i in candidates for k in sizes[1:] if (p := piece(i, k)) > bound}, reverse=True)
     best = min((split_at(t) for t in targets), key=predict)
-    return best if predict(best) <= plain_time * (1 - min_gain) else plain
+    best_time = predict(best)
+    if best_time > plain_time * (1 - min_gain):
+        return plain
+    return replace(best, seconds=best_time, unsplit_seconds=plain_time)

@@ -14,6 +14,7 @@ from ..comm.base import is_positive_finite
 # annotations, which must be the types themselves.
 Balancer = Literal["lb_mini", "lb_micro"]
 CostModelName = Literal["tokens", "flops", "fit", "auto"]
+SplitChoice = Literal["off", "auto"]
 
 
 @dataclass(kw_only=True)
@@ -52,6 +53,12 @@ class ODCEngineConfig(FSDPEngineConfig):
     odc_cost_fit_b: float = 1.0
     """`fit` cost: the linear coefficient (the weight matrices), >= 0; not both 0."""
 
+    odc_split: SplitChoice = "off"
+    """`auto`: LB-Mini's plan may split a mini-batch's longest samples over aligned power-of-two groups of
+    ranks (Ulysses sequence parallelism for that micro-batch alone), where that is predicted faster: past
+    the longest sample, which LB-Mini alone cannot shorten. Needs `odc_balancer=lb_mini`,
+    `ulysses_sequence_parallel_size=1` and `use_remove_padding`; verl's torchrun SFT trainer."""
+
     odc_barrier_timeout_s: float = 600.0
     """How long a rank waits for the others (at the end of a mini-batch, or for a peer's shards) before
     it fails naming the ranks that did not arrive."""
@@ -72,6 +79,12 @@ class ODCEngineConfig(FSDPEngineConfig):
             raise ValueError(
                 f"odc_lockstep=True runs every rank through the same micro-batch steps, as FSDP does: it needs "
                 f"odc_balancer=lb_micro, got {self.odc_balancer!r}"
+            )
+        if self.odc_split == "auto" and (self.odc_balancer != "lb_mini" or self.ulysses_sequence_parallel_size != 1):
+            raise ValueError(
+                f"odc_split=auto plans each micro-batch's sequence-parallel group itself: it needs "
+                f"odc_balancer=lb_mini and ulysses_sequence_parallel_size=1, got {self.odc_balancer!r} and "
+                f"{self.ulysses_sequence_parallel_size}"
             )
         if not is_positive_finite(self.odc_barrier_timeout_s):
             raise ValueError(f"odc_barrier_timeout_s must be a finite number > 0, got {self.odc_barrier_timeout_s!r}")

@@ -35,6 +35,7 @@ from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb
 from odc_plugin.balance.lb_micro import verl_micro_batches
 from odc_plugin.balance.lb_mini import MIN_GAIN
 from odc_plugin.balance.online_fit import TimeFit
+from odc_plugin.balance.split import Split, UlyssesModel, lb_mini_split
 
 # extra_info entry the trainer sets on the batch of one call (a PlanRequest); only the dispatch reads it.
 PLAN_KEY = "odc_lb_mini_request"
@@ -94,11 +95,17 @@ class StepPlan:
 
     steps[s][r]: batch positions rank r runs in step s (each step's positions once over its ranks);
     micro_batches[s][r]: the micro-batches the engine runs for that share: LB-Mini packs it with verl's
-        own functions, as the engine does (odc_plugin.balance.lb_micro.verl_micro_batches).
+        own functions, as the engine does (odc_plugin.balance.lb_micro.verl_micro_batches), and one for
+        each split sample of the rank's groups;
+    splits[s]: with `odc_split`, the samples of step s split over groups of ranks (Split.sample a batch
+        position), each run first, in this order, on every rank of its group; not in steps[s];
+    predicted[s]: with `odc_split`, the planner's time of step s with its splits and LB-Mini's without.
     """
 
     steps: tuple[tuple[tuple[int, ...], ...], ...]
     micro_batches: tuple[tuple[int, ...], ...]
+    splits: tuple[tuple[Split, ...], ...] = ()
+    predicted: tuple[tuple[float, float], ...] = ()
 
     @property
     def dp_size(self) -> int:
@@ -107,6 +114,12 @@ class StepPlan:
     @property
     def num_steps(self) -> int:
         return len(self.steps)
+
+    def split_share(self, step: int, rank: int) -> tuple[list[int], list[list[int]]]:
+        """The batch positions `rank` runs in `step`, the split samples of its groups first, and the group of
+        ranks of each of those split samples."""
+        mine = [s for s in self.splits[step] if rank in s.group] if self.splits else []
+        return [s.sample for s in mine] + list(self.steps[step][rank]), [list(s.group) for s in mine]
 
     def rank_positions(self, rank: int) -> list[int]:
         """The batch positions rank `rank` needs, each once, in the order it first runs them."""
@@ -128,6 +141,7 @@ def plan_steps(
     rank_speed: Sequence[float] | None = None,
     micro_batch_cost: float = 0.0,
     min_gain: float = MIN_GAIN,
+    ulysses: UlyssesModel | None = None,
 ) -> StepPlan:
     """Split the samples of each of verl's steps (`stock`, as `verl_steps` gives them) over its ranks with
     LB-Mini; verl's own pieces are the baseline LB-Mini keeps unless its split is predicted at least
@@ -135,7 +149,10 @@ def plan_steps(
 
     With dynamic batch sizes `max_token_len` is the per-micro-batch token budget (a sample longer than it
     is an error, as in verl); with a fixed micro-batch size pass `max_token_len=None, micro_batch_size=n`.
-    `rank_speed` and `micro_batch_cost` go to LB-Mini (the `auto` cost's fit).
+    `rank_speed` and `micro_batch_cost` go to LB-Mini (the `auto` cost's fit). With `ulysses` a step's
+    longest samples may be split over groups of ranks (odc_plugin.balance.split.lb_mini_split, LB-Mini's
+    plan as the one to beat); their all-to-alls count in seconds, so they weigh in once the cost is the
+    `auto` fit's seconds and are negligible against a static cost's units.
 
     Long because it checks verl's constraints one by one, each with its own message, before planning.
     """
@@ -156,7 +173,7 @@ def plan_steps(
     else:
         _check_int("micro_batch_size", micro_batch_size)
     cost_model = get_cost_model(cost)
-    steps, micro = [], []
+    steps, micro, splits, predicted = [], [], [], []
     for stock_step in stock:
         if len(stock_step) != dp_size or any(not piece for piece in stock_step):
             raise ValueError(
@@ -181,25 +198,49 @@ def plan_steps(
             min_gain=min_gain,
             micro_batch_size=micro_batch_size,
         )
+        split = ()
+        if ulysses is not None:
+            planned = lb_mini_split(
+                step_lens,
+                dp_size,
+                budget,
+                cost_model,
+                ulysses=ulysses,
+                rank_speed=rank_speed,
+                micro_batch_size=micro_batch_size,
+                baseline=ranks,
+                min_gain=min_gain,
+            )
+            ranks, split = planned.ranks, planned.splits
+            predicted.append((planned.seconds, planned.unsplit_seconds))
         # in verl's order within the step: a kept baseline is then verl's own piece, sample for sample
         shares = [sorted(i for mb in rank for i in mb) for rank in ranks]
-        _fill_empty_ranks(shares, cost_model.costs(step_lens))
+        in_groups = [sum(r in s.group for s in split) for r in range(dp_size)]
+        _fill_empty_ranks(shares, cost_model.costs(step_lens), busy=[n > 0 for n in in_groups])
         steps.append(tuple(tuple(members[i] for i in share) for share in shares))
+        splits.append(tuple(Split(members[s.sample], s.k, s.first) for s in split))
         if micro_batch_size is None:
-            micro.append(tuple(len(verl_micro_batches([step_lens[i] for i in s], budget)) for s in shares))
+            packed = [len(verl_micro_batches([step_lens[i] for i in s], budget)) if s else 0 for s in shares]
         else:
-            micro.append(tuple(-(-len(s) // micro_batch_size) for s in shares))
-    return StepPlan(steps=tuple(steps), micro_batches=tuple(micro))
+            packed = [-(-len(s) // micro_batch_size) for s in shares]
+        micro.append(tuple(n + k for n, k in zip(packed, in_groups)))
+    return StepPlan(
+        steps=tuple(steps),
+        micro_batches=tuple(micro),
+        splits=tuple(splits) if ulysses is not None else (),
+        predicted=tuple(predicted),
+    )
 
 
-def _fill_empty_ranks(shares: list[list[int]], costs: Sequence[float]) -> None:
-    """Give every empty rank the cheapest sample of the rank holding most samples (in place).
+def _fill_empty_ranks(shares: list[list[int]], costs: Sequence[float], busy: Sequence[bool] = ()) -> None:
+    """Give every empty rank the cheapest sample of the rank holding most samples (in place); a rank that
+    runs a split sample (`busy`) has work without a share.
 
     An empty share would be an empty TensorDict on that rank, which verl's engines cannot train on;
     LB-Mini leaves ranks empty when one sample outweighs many others.
     """
     while True:
-        empty = [r for r, share in enumerate(shares) if not share]
+        empty = [r for r, share in enumerate(shares) if not share and not (busy and busy[r])]
         if not empty:
             return
         donor = max(range(len(shares)), key=lambda r: (len(shares[r]), -r))
@@ -218,14 +259,28 @@ def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, 
         actual cost (1 = no split could do better), the mean and the worst over steps;
     {prefix}/samples_min, /samples_max: samples of one rank in one step;
     {prefix}/micro_batches_min, /micro_batches_max: predicted micro-batches of one rank in one step;
-    {prefix}/mini_batches: optimizer steps of the call.
+    {prefix}/mini_batches: optimizer steps of the call;
+    with `odc_split`: {prefix}/split_predicted_s and /unsplit_predicted_s, the planner's time of the call's
+        steps with its splits and without (cost over speed: seconds with the auto fit).
+    A split sample counts a k-th of its tokens and cost on each rank of its group of k.
     """
     costs = get_cost_model(cost).costs([int(s) for s in seqlens])
-    tokens = [sum(seqlens[p] for step in plan.steps for p in step[r]) for r in range(plan.dp_size)]
-    efficiency = [balance_efficiency([[costs[p] for p in share] for share in step]) for step in plan.steps]
+
+    def rank_items(step: int, rank: int, values) -> list[float]:
+        pieces = [values[s.sample] / s.k for s in (plan.splits[step] if plan.splits else ()) if rank in s.group]
+        return pieces + [values[p] for p in plan.steps[step][rank]]
+
+    steps = range(plan.num_steps)
+    tokens = [sum(sum(rank_items(s, r, seqlens)) for s in steps) for r in range(plan.dp_size)]
+    efficiency = [balance_efficiency([rank_items(s, r, costs) for r in range(plan.dp_size)]) for s in steps]
     counts = [len(share) for step in plan.steps for share in step]
     micro = [m for step in plan.micro_batches for m in step]
+    split = {}
+    if plan.predicted:
+        split[f"{prefix}/split_predicted_s"] = sum(p[0] for p in plan.predicted)
+        split[f"{prefix}/unsplit_predicted_s"] = sum(p[1] for p in plan.predicted)
     return {
+        **split,
         f"{prefix}/min": float(min(tokens)),
         f"{prefix}/max": float(max(tokens)),
         f"{prefix}/minmax_diff": float(max(tokens) - min(tokens)),
@@ -263,6 +318,7 @@ class LBMiniSettings:
     # Ulysses: a sequence-parallel group of this many ranks runs each micro-batch together, and verl packs
     # its micro-batches to the per-GPU budget times this size
     sp_size: int = 1
+    ulysses: UlyssesModel | None = None  # with odc_split: the groups a long sample may be split over
     fit: TimeFit | None = None  # the auto cost's latest fit
     fit_from: LBMiniSettings | None = None  # a forward-only pass plans with its role's training fit
 
@@ -284,6 +340,7 @@ class LBMiniSettings:
             rank_speed=fit.speeds if fit else None,
             micro_batch_cost=fit.c if fit else 0.0,
             min_gain=fit.min_gain if fit else MIN_GAIN,
+            ulysses=self.ulysses,
         )
         return plan, fit
 

@@ -71,6 +71,7 @@ from ..fsdp.odc import ODCMemory
 from ..moe import ExpertRouting, routing_metrics
 from .config import as_odc_config
 from .dispatch import STEPS_KEY
+from .split import SplitMicroBatches
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # verl's own modules' convention
@@ -127,6 +128,7 @@ class _ODCEngineMixin:
             OnlineTimeFit(self.get_data_parallel_size()) if odc_config.odc_cost_model == "auto" else None
         )
         self.expert_routing = ExpertRouting.of(module)
+        self.odc_split = SplitMicroBatches(self) if odc_config.odc_split == "auto" else None
         self.odc_calibration: TransportCalibration | None = None  # a trained model's, once initialized
         self._odc_phases = 0  # train/eval modes entered and not left
         self._odc_held_outside = 0  # ODC's bytes, control words aside, when it was last released
@@ -216,12 +218,13 @@ class _ODCEngineMixin:
         tu.pop(data, key=STEPS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan: one step, all
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
-        batch_num_tokens = self._batch_num_tokens(data)
+        groups = SplitMicroBatches.take(data) if self.odc_split is not None else []  # its leading split samples
+        batch_num_tokens = self._batch_num_tokens(data, groups)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens, dp_size=self.get_data_parallel_size())
 
         # a rank whose packing raises (a bad batch) fails the mini-batch its peers begin (OnDemandComm.abort)
         with self.odc.guard():
-            micro_batches, indices = self._micro_batches(data)
+            micro_batches, indices = self._micro_batches_with_splits(data, groups)
         scaler = getattr(self, "scaler", None)
         outputs = []
         clock = _MicroBatchClock(timed=self.odc_time_fit is not None and not forward_only)
@@ -232,18 +235,27 @@ class _ODCEngineMixin:
             if self.ulysses_sequence_parallel_size > 1:
                 self._check_sequence_parallel_group_agrees(micro_batches)
             for i, micro_batch in enumerate(micro_batches):
-                clock.start(micro_batch)
+                split = groups[i] if i < len(groups) else None
+                if split is None:  # a split micro-batch's time is not its lengths' on one rank: not for the fit
+                    clock.start(micro_batch)
                 last = i == len(micro_batches) - 1
                 sync = (
                     contextlib.nullcontext() if forward_only else self._gradient_sync_context(is_last_micro_batch=last)
                 )
-                with torch.no_grad() if forward_only else contextlib.nullcontext(), sync:
+                with (
+                    torch.no_grad() if forward_only else contextlib.nullcontext(),
+                    sync,
+                    self.odc_split.running(self, split) if split else contextlib.nullcontext(),
+                ):
                     loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+                    if split:
+                        loss = SplitMicroBatches.count_once(loss, meta, len(split))
                     if not forward_only:
                         (scaler.scale(loss) if scaler is not None else loss).backward()
                         if not return_model_output:
                             meta.pop("model_output", None)  # keeping every micro-batch's logits would pile up
-                clock.stop()
+                if split is None:
+                    clock.stop()
                 outputs.append(meta)
         stats = self.odc.last_stats
         if forward_only:
@@ -262,7 +274,7 @@ class _ODCEngineMixin:
             metrics = {}
         if loss_function is not None:
             self._fold_metrics_over_ranks(metrics)
-            metrics.update(self._odc_metrics(stats, len(micro_batches), last))
+            metrics.update(self._odc_metrics(stats, len(micro_batches), last, groups))
         if clock.timed:
             # the fit after the update's last mini-batch plans the next step
             fit = self._refit(clock.seconds())
@@ -271,14 +283,15 @@ class _ODCEngineMixin:
             metrics.update(self._routing_metrics())
         return output
 
-    def _batch_num_tokens(self, data):
+    def _batch_num_tokens(self, data, groups: list[list[int]]):
         """The one collective of a mini-batch, before it starts: the loss divides by the token count of the
-        whole mini-batch, so the update does not depend on how samples are spread over ranks. A rank whose
+        whole mini-batch, so the update does not depend on how samples are spread over ranks; a split sample
+        counts once (`groups`: those of the leading split samples). A rank whose
         own count raises still takes part, counting a failure, so that no peer waits in the collective:
         every rank then fails the mini-batch (OnDemandComm.abort), its peers naming that rank."""
         failure = None
         try:
-            mine = data["loss_mask"].sum()
+            mine = data["loss_mask"].sum() - SplitMicroBatches.others_tokens(data, groups)
             both = torch.stack([mine.to(torch.float64), torch.zeros((), dtype=torch.float64, device=mine.device)])
         except Exception as e:  # noqa: BLE001  (announced to every rank below)
             failure, both = e, torch.tensor([0.0, 1.0], dtype=torch.float64)
@@ -289,6 +302,16 @@ class _ODCEngineMixin:
         if both[1]:
             raise self.odc.abort(ODCPeerFailedError(f"rank {dist.get_rank()}: a peer failed preparing its mini-batch"))
         return float(both[0]) if mine.is_floating_point() else int(both[0])  # float64: exact up to 2**53
+
+    def _micro_batches_with_splits(self, data, groups: list[list[int]]):
+        """The leading split samples one micro-batch each, then the rest as `_micro_batches` packs it."""
+        if not groups:
+            return self._micro_batches(data)
+        singles, rest = SplitMicroBatches.split_off(data, groups)
+        packed, indices = self._micro_batches(rest) if rest is not None else ([], [])
+        if indices is not None:
+            indices = [[i] for i in range(len(groups))] + [[len(groups) + i for i in mb] for mb in indices]
+        return singles + packed, indices
 
     def _micro_batches(self, data):
         """This rank's micro-batches, packed without agreeing on their number with the other ranks.
@@ -404,19 +427,21 @@ class _ODCEngineMixin:
             values["odc/forward_only_extra_bytes_per_param"] = forward.extra_bytes_per_param if forward else 0.0
         return values
 
-    def _odc_metrics(self, stats, num_micro_batches: int, last: bool) -> dict[str, float]:
-        """Compute and barrier-wait time over ranks, and ODC's memory (a collective, after the mini-batch has
-        ended)."""
+    def _odc_metrics(self, stats, num_micro_batches: int, last: bool, groups: list[list[int]]) -> dict[str, float]:
+        """Compute and barrier-wait time over ranks, the split samples, and ODC's memory (a collective, after
+        the mini-batch has ended)."""
         memory = self._odc_memory(last)
+        firsts = sum(g[0] == dist.get_rank() for g in groups)
         mine = torch.tensor(
-            [stats.compute_s, stats.wait_s, float(num_micro_batches), *memory.values()],
+            [stats.compute_s, stats.wait_s, float(num_micro_batches), firsts, max(map(len, groups), default=1)]
+            + list(memory.values()),
             dtype=torch.float64,
             device=get_device_id(),
         )
         every = [torch.empty_like(mine) for _ in range(self.get_data_parallel_size())]
         dist.all_gather(every, mine, group=self.get_data_parallel_group())
         gathered = torch.stack(every).cpu()
-        compute, wait, micro = gathered[:, :3].unbind(1)
+        compute, wait, micro, firsts, largest = gathered[:, :5].unbind(1)
         values = {
             "odc/compute_s_mean": compute.mean(),
             "odc/compute_s_max": compute.max(),
@@ -426,6 +451,8 @@ class _ODCEngineMixin:
             "odc/compute_imbalance": compute.max() / compute.mean().clamp_min(1e-9),
             "odc/micro_batches_min": micro.min(),
             "odc/micro_batches_max": micro.max(),
+            # samples split over groups of ranks (odc_split), and the largest group
+            **({"odc/split/samples": firsts.sum(), "odc/split/max_group": largest.max()} if self.odc_split else {}),
             # memory, the largest over ranks: extra_bytes_per_param is what ODC holds beyond FSDP2 during a
             # mini-batch per parameter of a rank's shards (published shards, accumulator padding and flags,
             # the zeros `.grad` points at): about 2 under bf16 mixed precision, and the largest shard's 4 bytes
@@ -435,7 +462,7 @@ class _ODCEngineMixin:
             # build's time after the last arrival, so the least is still at least what the step spends.
             **{
                 key: column.min() if key.endswith("rebuild_s") else column.max()
-                for key, column in zip(memory, gathered[:, 3:].unbind(1))
+                for key, column in zip(memory, gathered[:, 5:].unbind(1))
             },
         }
         values = {key: value.item() for key, value in values.items()}

@@ -15,7 +15,8 @@ the subclass built here; any other gets verl's own class. The subclass
   SPMD: every rank reads its own batch through verl's loader, whose lengths verl's trainer already
   all-gathers; global rank 0 plans them and broadcasts the plan; a rank keeps its own samples that the plan
   leaves it and receives the others from their ranks (one all-gather of the moved samples alone, none when
-  nothing moves).
+  nothing moves). With `odc_split=auto` the plan may split a step's longest samples over groups of ranks:
+  each member receives the sample, first, with its group (odc_plugin/verl/split.py runs it).
   Ray: the driver reads the global batch (in the order `trainer.balance_batch` gives it), plans it with the
   fit the engine reported on the last step, and hands each worker its share through verl's dispatch;
 - logs ODC's metrics as one number per key (`odc/*`) and the plan's balance (`odc_balance/*`).
@@ -122,6 +123,8 @@ class _ODCSFT:
     def _plan_of(self, lengths: list[int], dp: int):
         """LB-Mini's plan of one step over `dp` ranks, verl's share being each rank's contiguous chunk."""
         start = time.perf_counter()
+        split = getattr(getattr(self, "engine", None), "odc_split", None)  # torchrun's engine, once built
+        self._lb_mini.ulysses = split.model if split is not None else None  # the groups it built
         plan = self._lb_mini.plan(lengths, [chunk(list(range(len(lengths))), len(lengths) // dp)])
         self._balance_s["odc_balance/plan_s"] = time.perf_counter() - start
         return plan
@@ -174,22 +177,32 @@ class _SPMDShares(_ODCSFT):
         from verl.utils import tensordict_utils as tu
 
         plan, _ = self._plan
-        shares, rank, each = plan.steps[0], self.engine.get_data_parallel_rank(), len(data)
-        owner = [p // each for p in range(each * plan.dp_size)]
-        mine = [p - rank * each for p in shares[rank] if owner[p] == rank]
-        if all(owner[p] == r for r, share in enumerate(shares) for p in share):
-            return tu.index_select_tensor_dict(data, mine)
-        leaving = {
-            p: tu.index_select_tensor_dict(data, [p - rank * each])
-            for r, share in enumerate(shares)
-            if r != rank
-            for p in share
-            if owner[p] == rank
-        }
-        every: list = [None] * plan.dp_size
-        dist.all_gather_object(every, leaving, group=self.engine.get_data_parallel_group())
-        arriving = [every[owner[p]][p] for p in shares[rank] if owner[p] != rank]
-        return tu.concat_tensordict(([tu.index_select_tensor_dict(data, mine)] if mine else []) + arriving)
+        from .split import SPLIT_KEY
+
+        rank, each = self.engine.get_data_parallel_rank(), len(data)
+        needs = [plan.split_share(0, r)[0] for r in range(plan.dp_size)]
+        positions, groups = plan.split_share(0, rank)
+        if all(p // each == r for r, share in enumerate(needs) for p in share):
+            share = tu.index_select_tensor_dict(data, [p - rank * each for p in positions])
+        else:
+            leaving = {
+                p: tu.index_select_tensor_dict(data, [p - rank * each])
+                for r, share in enumerate(needs)
+                if r != rank
+                for p in share
+                if p // each == rank
+            }
+            every: list = [None] * plan.dp_size
+            dist.all_gather_object(every, leaving, group=self.engine.get_data_parallel_group())
+            share = tu.concat_tensordict(
+                [
+                    tu.index_select_tensor_dict(data, [p - rank * each]) if p // each == rank else every[p // each][p]
+                    for p in positions
+                ]
+            )
+        if groups:
+            tu.assign_non_tensor(share, **{SPLIT_KEY: tuple(map(tuple, groups))})
+        return share
 
 
 class _RayShares(_ODCSFT):
@@ -200,6 +213,13 @@ class _RayShares(_ODCSFT):
 
         check_dispatch()  # what run_on_pieces calls of verl's, checked before any worker starts
         super()._build_config()
+        from .config import as_odc_config
+
+        if as_odc_config(self.engine_config).odc_split == "auto":
+            raise ValueError(
+                "odc: odc_split=auto runs in verl's torchrun SFT trainer (torchrun -m verl.trainer.sft_trainer); "
+                "set engine.odc_split=off for the Ray trainer"
+            )
 
     def _build_engine(self):
         super()._build_engine()

@@ -265,6 +265,7 @@ def test_engine_odc_option_in_a_role_config_of_your_own(base, tmp_path):
         ("critic.fsdp.odc_cost_model=bytes", "odc_cost_model"),
         # the lockstep baseline runs verl's equal split; LB-Mini's uneven counts cannot move in lockstep
         ("actor_rollout_ref.actor.fsdp_config.odc_lockstep=True", "odc_lockstep"),
+        ("actor_rollout_ref.actor.fsdp_config.odc_split=on", "odc_split"),
     ],
 )
 def test_wrong_option_fails_validation_naming_the_key(base, override, key):
@@ -279,6 +280,17 @@ def test_wrong_option_fails_validation_naming_the_key(base, override, key):
     assert isinstance(error, (ValueError, TypeError))
     message = str(error)
     assert len(message.splitlines()) == 1 and key in message, message
+
+
+def test_verls_ulysses_group_and_the_split_are_refused_together_in_one_line():
+    """verl's Ulysses fixes one group for every micro-batch; odc_split picks one per micro-batch (SFT's
+    engine config holds both; main_ppo refuses odc_split itself: test_trainer_choice.py)."""
+    with pytest.raises(ValueError) as info:
+        ODCEngineConfig(odc_split="auto", ulysses_sequence_parallel_size=2)
+    assert str(info.value) == (
+        "odc_split=auto plans each micro-batch's sequence-parallel group itself: it needs odc_balancer=lb_mini and "
+        "ulysses_sequence_parallel_size=1, got 'lb_mini' and 2"
+    )
 
 
 def test_wrong_ref_option_fails_when_the_ref_model_is_built(base):
@@ -380,4 +392,11 @@ def test_odc_configs_are_keyword_only_with_a_docstring_per_field(config_class):
             assert isinstance(after, ast.Expr) and isinstance(after.value.value, str), f"{node.target.id}: no docstring"
     literals = [n for n, hint in cls.__annotations__.items() if typing.get_origin(hint) is typing.Literal]
     if cls is ODCEngineConfig:
-        assert literals == ["strategy", "odc_transport", "odc_accumulate", "odc_balancer", "odc_cost_model"]
+        assert literals == [
+            "strategy",
+            "odc_transport",
+            "odc_accumulate",
+            "odc_balancer",
+            "odc_cost_model",
+            "odc_split",
+        ]

@@ -96,6 +96,36 @@ def test_plan_keeps_verls_pieces_sample_for_sample_when_no_split_is_faster():
     assert plan_steps(lens, stock, max_token_len=64).steps == ((tuple(stock[0][0]), tuple(stock[0][1])),)
 
 
+def test_plan_with_odc_split_splits_the_longest_sample_and_runs_it_first_on_its_group():
+    """One sample outweighs a rank's share: split over the aligned groups allowed, first on every member;
+    without a UlyssesModel (odc_split=off) the same call plans exactly as before."""
+    from odc_plugin.balance.split import UlyssesModel
+
+    lens = [16, 60, 2, 3, 4, 5, 6, 4]  # 100 tokens over 4 ranks; the 60-token sample alone is 60
+    stock = [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    ulysses = UlyssesModel(max_group=4)
+    plan = plan_steps(lens, stock, max_token_len=64, ulysses=ulysses)
+    assert plan_steps(lens, stock, max_token_len=64).splits == ()
+    longest = plan.splits[0][0]
+    assert (longest.sample, longest.k, list(longest.group)) == (1, 4, [0, 1, 2, 3])
+    split = [s.sample for s in plan.splits[0]]
+    assert sorted(split + [p for share in plan.steps[0] for p in share]) == list(range(8))  # each sample once
+    for rank in range(4):
+        positions, groups = plan.split_share(0, rank)
+        mine = [s for s in plan.splits[0] if rank in s.group]
+        assert positions == [s.sample for s in mine] + list(plan.steps[0][rank])  # split samples first, in order
+        assert groups == [list(s.group) for s in mine]
+        assert plan.micro_batches[0][rank] == len(mine) + (1 if plan.steps[0][rank] else 0)
+    metrics = plan_metrics(plan, lens, "tokens", "odc_balance")
+    assert metrics["odc_balance/unsplit_predicted_s"] == 60  # LB-Mini alone: the 60-token sample is the step
+    assert metrics["odc_balance/split_predicted_s"] < 0.5 * 60
+    # a k-th of each split sample's tokens on each member of its group
+    assert metrics["odc_balance/max"] == pytest.approx(metrics["odc_balance/split_predicted_s"])
+    # declined where nothing outweighs a rank's share: LB-Mini's plan, predicted the same both ways
+    even = plan_steps([10] * 8, stock, max_token_len=64, ulysses=ulysses)
+    assert even.splits == ((),) and even.predicted[0][0] == even.predicted[0][1]
+
+
 def test_fill_empty_ranks_takes_the_cheapest_sample_of_the_fullest_rank():
     shares = [[0, 1, 2], [], [3, 4], []]
     _fill_empty_ranks(shares, [5.0, 1.0, 3.0, 0.5, 9.0])

@@ -4,7 +4,7 @@ under odc against fsdp2, on CPU ranks.
 Every run is verl's real trainer started as a user starts it (odc-sft-cpu's commands): the same data,
 weights and settings, the strategy alone differing; each trainer against itself. Compared step by step:
 train/loss and train/grad_norm to 1e-5, val/loss; LB-Mini's shares uneven where a rank is slow; a checkpoint of one
-strategy resumed by the other.
+strategy resumed by the other; the longest samples split over groups of 2 and 4 ranks (`odc_split=auto`).
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ def _by_trainer(fixture: str) -> list:
 TRAINERS = ("torchrun", "ray")
 
 
-def _start(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False) -> tuple[int, str, str]:
+def _start(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False, per_rank=4, seed=0):
     """One run of verl's SFT trainer: (exit code, its output directory, its log)."""
     out = str(tmp / name)
     os.makedirs(out, exist_ok=True)
-    files = sft_cpu.write_data(out, ranks * 4 * STEPS, ranks * 4, seed=0, emulation=None)
-    shared = sft_cpu.settings(ensure_assets().model_dir, files, ranks, STEPS, 4, emulated=False)
+    files = sft_cpu.write_data(out, ranks * per_rank * STEPS, ranks * 4, seed=seed, emulation=None)
+    shared = sft_cpu.settings(ensure_assets().model_dir, files, ranks, STEPS, per_rank, emulated=False)
     args = sft_cpu.run_args(shared, strategy, list(extra), out)
     code, _, log = sft_cpu.run_trainer(strategy, ranks, args, out, env or {}, timeout_s=600, ray=ray)
     return code, out, log
 
 
-def _run(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False) -> dict:
-    code, out, log = _start(tmp, name, ranks, strategy, extra, env, ray)
+def _run(tmp, name: str, ranks: int, strategy: str, extra=(), env=None, ray=False, **data) -> dict:
+    code, out, log = _start(tmp, name, ranks, strategy, extra, env, ray, **data)
     assert code == 0, sft_cpu.last_error(log)
     return {"dir": out, "metrics": _metrics(os.path.join(out, f"{strategy}.jsonl"))}
 
@@ -110,6 +110,23 @@ def test_a_slow_rank_gets_less_work_and_training_is_unchanged(slow_rank):
     assert lighter, f"the slowest rank's tokens over the mean, by step: {shares}"
 
 
+@pytest.mark.xdist_group("tests/verl/test_sft.py::split")
+def test_the_longest_samples_split_over_groups_of_ranks_train_as_fsdp2(tmp_path):
+    """4 ranks, 2 samples a rank (seed 2: a sample split over 2 ranks at step 1, over 4 at step 2, none at step
+    3); odc_split=auto against fsdp2, every step, and the split metrics saying so."""
+    data = {"per_rank": 2, "seed": 2}
+    fsdp2 = _run(tmp_path, "fsdp2", 4, "fsdp2", **data)["metrics"]
+    odc = _run(tmp_path, "odc", 4, "odc", ["engine.odc_split=auto", "engine.odc_cost_model=tokens"], **data)
+    odc = odc["metrics"]
+    _assert_same_training(fsdp2, odc, range(1, STEPS + 1))
+    assert abs(odc[STEPS]["val/loss"] - fsdp2[STEPS]["val/loss"]) <= TOLERANCE * fsdp2[STEPS]["val/loss"]
+    groups = {odc[step]["odc/split/max_group"] for step in odc if "odc/split/max_group" in odc[step]}
+    assert {2.0, 4.0} <= groups, f"largest split group by step: {groups}"
+    assert sum(odc[step].get("odc/split/samples", 0) for step in odc) >= 2
+    predicted = [(odc[s]["odc_balance/split_predicted_s"], odc[s]["odc_balance/unsplit_predicted_s"]) for s in (1, 2)]
+    assert all(split < unsplit for split, unsplit in predicted), predicted
+
+
 def test_the_sft_trainer_class_is_verls_without_odc_and_refuses_main_ppos_key():
     from omegaconf import OmegaConf
     from verl.trainer import sft_trainer, sft_trainer_ray
@@ -131,14 +148,24 @@ def test_the_sft_trainer_class_is_verls_without_odc_and_refuses_main_ppos_key():
     assert sft.wants_odc(OmegaConf.create({"engine": {"_target_": sft.ODC_ENGINE_CONFIG, "strategy": "odc"}}))
 
 
-def test_the_ray_trainer_refuses_a_batch_its_ranks_cannot_share_at_start(tmp_path):
-    """7 samples over 2 ranks: verl's equal split fails at the first step, odc before it in one line."""
-    code, out, log = _start(tmp_path, "odc", 2, "odc", ["data.train_batch_size=7"], ray=True)
+@pytest.mark.parametrize(
+    "setting, error",
+    [
+        (
+            "data.train_batch_size=7",  # verl's equal split fails at the first step, odc before it
+            "odc: data.train_batch_size=7 does not divide over the 2 data-parallel ranks; give it a multiple of 2",
+        ),
+        (
+            "engine.odc_split=auto",
+            "odc: odc_split=auto runs in verl's torchrun SFT trainer (torchrun -m verl.trainer.sft_trainer); set "
+            "engine.odc_split=off for the Ray trainer",
+        ),
+    ],
+)
+def test_the_ray_trainer_refuses_at_start_in_one_line(tmp_path, setting, error):
+    code, out, log = _start(tmp_path, "odc", 2, "odc", [setting], ray=True)
     assert code != 0 and not os.path.exists(os.path.join(out, "odc.jsonl"))
-    assert sft_cpu.last_error(log) == (
-        "ValueError: odc: data.train_batch_size=7 does not divide over the 2 data-parallel ranks; "
-        "give it a multiple of 2"
-    )
+    assert sft_cpu.last_error(log) == f"ValueError: {error}"
 
 
 def test_the_ray_trainers_cluster_holds_its_resource_pool():
