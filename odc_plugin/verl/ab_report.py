@@ -279,6 +279,7 @@ RUN_FACTORS = {
     "transport": ("fsdp2", "lockstep"),
     "barrier removal": ("lockstep", "odc_lb_micro"),
     "LB-Mini": ("odc_lb_micro", "odc"),
+    "split": ("odc", "split"),
     "ODC+LB-Mini over lockstep": ("lockstep", "odc"),
     "odc over fsdp2": ("fsdp2", "odc"),
 }

@@ -1,9 +1,10 @@
 """`odc-sft-cpu`: verl's real SFT trainer (`torchrun -m verl.trainer.sft_trainer`, or with `--ray`
 `python -m verl.trainer.sft_trainer_ray`) on this machine's CPU, once with `engine.strategy=fsdp2` and once
 with `engine.strategy=odc`, same data, weights and settings, then the A/B report of the two runs (with
-`--emulate`, also FSDP's lockstep on ODC's transport between them).
+`--emulate`, also FSDP's lockstep on ODC's transport between them; with `--split`, then odc with
+`engine.odc_split=auto`).
 
-    odc-sft-cpu [--ranks N] [--steps N] [--out DIR] [--slow-ranks R:F] [--ray] [key=value ...]
+    odc-sft-cpu [--ranks N] [--steps N] [--out DIR] [--slow-ranks R:F] [--ray] [--split] [key=value ...]
     odc-sft-cpu --emulate FIT.json [--ranks 16] [--length-factor K] [--time-scale X] ...
 
 The data set is written from the shipped tiny model's assets: multi-turn chats of the math problems, their
@@ -46,6 +47,7 @@ RUNS = {
     "fsdp2": ["engine.strategy=fsdp2"],
     "lockstep": [*ODC_SEARCH_PATH, "engine.odc_balancer=lb_micro", "engine.odc_lockstep=True"],
     "odc": ["engine.strategy=odc"],
+    "split": [*ODC_SEARCH_PATH, "engine.odc_split=auto"],
 }
 # what a real run's chats look like: mostly one or two problems, a few many (real tokens)
 SHORT_TURNS, LONG_TURNS, LONG_FRACTION = (1, 2), (4, 8), 0.2
@@ -127,7 +129,9 @@ def settings(
 
 def run_args(shared: list[str], strategy: str, overrides: list[str], out_dir: str) -> list[str]:
     odc = [o for o in overrides if o.lstrip("+").startswith(ODC_OPTION)]
-    engine = [*ODC_SEARCH_PATH, *odc] if strategy == "odc" and odc else RUNS[strategy]
+    engine = RUNS[strategy]
+    if strategy in ("odc", "split") and odc:
+        engine = [*ODC_SEARCH_PATH, *(o for o in engine if o.startswith(ODC_OPTION)), *odc]
     return [
         *shared,
         *engine,
@@ -223,8 +227,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=number_arg(int, 1), default=4, help="optimizer steps per run (default 4)")
     p.add_argument("--out", default="odc_sft_cpu", help="output directory (default ./odc_sft_cpu)")
     p.add_argument("--slow-ranks", metavar="R:F[,R:F]", help="rank R's layers take F times as long")
-    p.add_argument("--samples-per-rank", type=number_arg(int, 1), help="per step (default 4; 8 with --emulate)")
+    p.add_argument(
+        "--samples-per-rank", type=number_arg(int, 1, strict=False), help="per step (default 4; 8 with --emulate)"
+    )
     p.add_argument("--ray", action="store_true", help="verl's Ray SFT trainer instead of torchrun's")
+    p.add_argument("--split", action="store_true", help="also odc with engine.odc_split=auto (torchrun's trainer)")
     p.add_argument("--emulate", metavar="FIT.json", help="emulate the layers' compute from this GPU cost fit")
     p.add_argument("--length-factor", type=number_arg(int, 1), default=16, help="true tokens per real token")
     p.add_argument("--time-scale", type=time_scale_arg, default=1.0, help="emulated seconds per fit second")
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = settings(ensure_assets().model_dir, files, args.ranks, args.steps, samples, emulation is not None)
     print(f"verl SFT on CPU, {args.ranks} ranks, {args.steps} steps per run; output in {out_dir}")
     results = {}
-    for strategy in [r for r in RUNS if emulation or r != "lockstep"]:
+    for strategy in [r for r in RUNS if (emulation or r != "lockstep") and (args.split or r != "split")]:
         env = {SLOW_RANKS_ENV: args.slow_ranks} if args.slow_ranks else {}
         if emulation:
             passes = os.path.join(out_dir, f"{strategy}-passes")
@@ -293,12 +300,35 @@ def report(results: dict[str, str], args, emulation: Emulation | None, out_dir: 
         return text
     slowdowns = parse_slow_ranks(args.slow_ranks, args.ranks)
     slowdowns = [slowdowns.get(r, 1.0) for r in range(args.ranks)]
+    # the passes record a split micro-batch's whole lengths on every member: the split run's plans are timed by
+    # the trainer's own planner instead (its odc_balance metrics, in the auto fit's seconds)
     times = {
         name: phase_times(emulation, os.path.join(out_dir, f"{name}-passes"), args.steps, slowdowns, name != "odc")
         for name in results
+        if name != "split"
     }
     label = f"EMULATED: {args.ranks} ranks, fit {os.path.basename(args.emulate)}, length factor {args.length_factor}"
-    return text + "\n\n" + ab_report.phase_report(runs, times, {}, label)
+    text += "\n\n" + ab_report.phase_report(runs, times, {}, label)
+    if "split" in results:
+        text += "\n" + split_prediction(runs[-1])
+    return text
+
+
+def split_prediction(run) -> str:
+    """The trainer's planner on the split run's steps: LB-Mini's time without the split over the plan's."""
+    import statistics
+
+    ratios = [
+        m["odc_balance/unsplit_predicted_s"] / m["odc_balance/split_predicted_s"]
+        for m in run.steps.values()
+        if m.get("odc_balance/split_predicted_s")
+    ]
+    if not ratios:
+        return "split: the planner reported no prediction"
+    return (
+        f"split: the trainer's planner predicts the update {statistics.median(ratios):.3f}x faster with the split "
+        f"than without (median over {len(ratios)} steps; odc_balance/unsplit_predicted_s / split_predicted_s)"
+    )
 
 
 if __name__ == "__main__":
