@@ -8,7 +8,9 @@ log-prob / value inference alike):
 - each rank packs its own micro-batches with no cross-rank agreement on their number
   (verl's `same_micro_num_in_dp=True` is exactly the lockstep ODC removes); with a fixed micro-batch
   size, a share that does not divide by it ends in a smaller micro-batch (verl asserts that it divides);
-- the micro-batches run between ODC's begin() and end(), so no collective runs inside;
+- the micro-batches run between ODC's begin() and end(), so no collective runs inside but, with
+  `odc_split=auto`, the all-to-alls of the samples the plan split over groups of ranks, within each group:
+  they come first, one micro-batch each (odc_plugin/verl/split.py);
 - per-micro-batch metrics are folded to one value per rank, since ranks now run different counts, so
   that verl's aggregation over ranks gives what it gives under fsdp2 (`_fold_metrics_over_ranks`);
 - with `odc_cost_model=auto` every rank times its micro-batches, the ranks share the timings after the
