@@ -225,6 +225,7 @@ def _stage_settings(trainer, stage: str):
             actor.engine,
             **dataclasses.asdict(actor_packing(actor)),
             model_config=lambda: omega_conf_to_dataclass(roles.model).hf_config,
+            gpus_per_node=config.trainer.n_gpus_per_node,  # a split's groups stay inside a node
         )
     elif stage == "critic" and config.critic.get("strategy") == "odc":
         critic = omega_conf_to_dataclass(config.critic)
@@ -232,6 +233,7 @@ def _stage_settings(trainer, stage: str):
             critic.engine,
             **dataclasses.asdict(critic_packing(critic)),
             model_config=lambda: critic.model.hf_config,
+            gpus_per_node=config.trainer.n_gpus_per_node,
         )
     elif stage == "old_log_prob" or (stage == "ref_log_prob" and trainer.ref_in_actor):
         actor = _stage_settings(trainer, "actor")

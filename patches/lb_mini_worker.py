@@ -12,6 +12,8 @@ steps instead of cutting its data itself (selecting with verl's own `index_selec
 MFU, the lr scheduler stepped on the last step only, `train_batch` per step, the
 profiler step, and the metrics folded over ranks and steps as verl folds them (a metric an
 engine reports as one value per rank is kept as such instead of failing verl's flattening).
+With `odc_split`, a step's split samples lead its share, their groups of ranks (`odc_split_steps`) go to
+the engine with the step's data, and their tokens count once in the MFU counts.
 `global_batch_size` stays the global mini-batch size, so the loss normalization is unchanged, and
 every rank runs the same number of optimizer steps. Without the field (ODC runs balanced by lb_micro)
 verl's method runs unchanged; runs without odc use verl's TrainingWorker itself.
@@ -121,20 +123,22 @@ def extend(kind: str, base: type, members: dict) -> None:
     def train_mini_batch(self, data):
         from verl.utils import tensordict_utils as tu
 
-        from odc_plugin.verl.dispatch import STEPS_KEY
+        from odc_plugin.verl.dispatch import SPLIT_STEPS_KEY, STEPS_KEY
 
         steps = tu.pop(data, key=STEPS_KEY, default=None)
+        splits = tu.pop(data, key=SPLIT_STEPS_KEY, default=None)
         if steps is None:
             return raw(self, data)
-        return _train_by_steps(self, data, [[int(i) for i in step] for step in steps])
+        return _train_by_steps(self, data, [[int(i) for i in step] for step in steps], splits or [[] for _ in steps])
 
     members["train_mini_batch"] = register(
         dispatch_mode=attrs["dispatch_mode"], execute_mode=attrs["execute_mode"], blocking=attrs["blocking"]
     )(train_mini_batch)
 
 
-def _train_by_steps(self, data, steps: list[list[int]]):
-    """verl's train_mini_batch loop over this rank's shares of the plan's steps (see the module docstring)."""
+def _train_by_steps(self, data, steps: list[list[int]], splits: list[list[list[int]]]):
+    """verl's train_mini_batch loop over this rank's shares of the plan's steps (see the module docstring);
+    `splits[s]`: the groups of ranks of step s's leading (split) samples (odc_split)."""
     import torch
     from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu
@@ -154,14 +158,21 @@ def _train_by_steps(self, data, steps: list[list[int]]):
             f"(every step needs at least one sample on every rank, every sample a step)"
         )
     group = self.engine.get_data_parallel_group()
+    from odc_plugin.verl.split import SPLIT_KEY
 
     with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
         outputs = []
         for step, indices in enumerate(steps):
             mini_batch = tu.index_select_tensor_dict(data, indices)
             tu.maybe_fix_3d_position_ids(mini_batch)
+            split = [list(map(int, g)) for g in splits[step]]
+            if split:
+                tu.assign_non_tensor(mini_batch, **{SPLIT_KEY: tuple(map(tuple, split))})
             if "input_ids" in mini_batch:
                 local = mini_batch["input_ids"].offsets().diff().tolist()
+                # a split sample's tokens once, from its group's first member
+                me = torch.distributed.get_rank()
+                local = [n for i, n in enumerate(local) if i >= len(split) or split[i][0] == me]
                 gathered = [None] * torch.distributed.get_world_size(group)
                 torch.distributed.all_gather_object(gathered, local, group)
                 global_token_num = [n for rank in gathered for n in rank]

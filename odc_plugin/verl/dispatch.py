@@ -42,6 +42,8 @@ PLAN_KEY = "odc_lb_mini_request"
 # extra_info entry each rank receives instead: for every optimizer step, the indices of its samples it
 # trains on in that step.
 STEPS_KEY = "odc_mini_batch_steps"
+# with odc_split, for every step the groups of ranks of the rank's leading (split) samples of that step
+SPLIT_STEPS_KEY = "odc_split_steps"
 
 # The actor's keys in verl's trainer config.
 ACTOR = "actor_rollout_ref.actor"
@@ -123,12 +125,13 @@ class StepPlan:
 
     def rank_positions(self, rank: int) -> list[int]:
         """The batch positions rank `rank` needs, each once, in the order it first runs them."""
-        return list(dict.fromkeys(p for step in self.steps for p in step[rank]))
+        return list(dict.fromkeys(p for s in range(self.num_steps) for p in self.split_share(s, rank)[0]))
 
     def rank_steps(self, rank: int) -> list[list[int]]:
-        """For every step, the indices into `rank_positions(rank)` of the samples the rank runs in it."""
+        """For every step, the indices into `rank_positions(rank)` of the samples the rank runs in it (its
+        split samples first)."""
         index = {p: i for i, p in enumerate(self.rank_positions(rank))}
-        return [[index[p] for p in step[rank]] for step in self.steps]
+        return [[index[p] for p in self.split_share(s, rank)[0]] for s in range(self.num_steps)]
 
 
 def plan_steps(
@@ -296,7 +299,10 @@ def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, 
 
 
 def plan_seconds(plan: StepPlan, seqlens: Sequence[int], fit: TimeFit) -> list[float]:
-    """Per step, the fit's time of its slowest rank: what LB-Mini expected the plan to take."""
+    """Per step, the fit's time of its slowest rank: what LB-Mini expected the plan to take (with splits, the
+    split planner's own time)."""
+    if plan.predicted:
+        return [split for split, _ in plan.predicted]
     costs = fit.costs([int(s) for s in seqlens])
     return [
         max(
@@ -404,13 +410,16 @@ def split_by_plan(meta, dp_size: int) -> list:
     pieces = []
     for rank in range(dp_size):
         positions = plan.rank_positions(rank)
+        steps = {STEPS_KEY: plan.rank_steps(rank)}
+        if any(plan.splits):
+            steps[SPLIT_STEPS_KEY] = [plan.split_share(s, rank)[1] for s in range(plan.num_steps)]
         pieces.append(
             type(meta)(
                 keys=[meta.keys[p] for p in positions],
                 tags=[meta.tags[p] for p in positions],
                 partition_id=meta.partition_id,
                 fields=meta.fields,
-                extra_info={**extra, STEPS_KEY: plan.rank_steps(rank)},
+                extra_info={**extra, **steps},
             )
         )
     return pieces
@@ -460,6 +469,7 @@ def lb_mini_settings(
     max_token_len: int | None,
     micro_batch_size: int | None,
     model_config: Any | Callable[[], Any] = None,
+    gpus_per_node: int | None = None,
 ) -> LBMiniSettings | None:
     """LB-Mini settings of a role, or None when its calls keep verl's equal split.
 
@@ -468,6 +478,7 @@ def lb_mini_settings(
     model comes from `odc_cost_model`; "flops" reads the model's HF config: `model_config` is that config
     (a transformers PretrainedConfig or a dict) or a function returning it, called only when needed;
     "auto" starts from "flops" and follows the fit the engine reports (`LBMiniSettings.observe`).
+    With `odc_split=auto` and `gpus_per_node` the plan may split samples over groups of ranks inside a node.
     """
     if getattr(engine_config, "strategy", None) != "odc":
         return None
@@ -486,13 +497,16 @@ def lb_mini_settings(
     else:
         cost = get_cost_model(odc.odc_cost_model)
     sp_size = sequence_parallel_size(engine_config)
+    ulysses = None
+    if odc.odc_split == "auto" and gpus_per_node:
+        ulysses = UlyssesModel.from_config(model_config() if callable(model_config) else model_config, gpus_per_node)
     if use_dynamic_bsz:
         if max_token_len is None:
             raise ValueError("use_dynamic_bsz needs ppo_max_token_len_per_gpu")
-        return LBMiniSettings(cost, int(max_token_len), None, auto, sp_size=sp_size)
+        return LBMiniSettings(cost, int(max_token_len), None, auto, sp_size=sp_size, ulysses=ulysses)
     if micro_batch_size is None:
         raise ValueError("without use_dynamic_bsz the engine needs ppo_micro_batch_size_per_gpu")
-    return LBMiniSettings(cost, None, int(micro_batch_size), auto, sp_size=sp_size)
+    return LBMiniSettings(cost, None, int(micro_batch_size), auto, sp_size=sp_size, ulysses=ulysses)
 
 
 def _check_int(name: str, value) -> None:

@@ -38,8 +38,9 @@ SPLIT_KEY = "odc_split_ranks"
 
 def split_model(hf_config, world_size: int) -> UlyssesModel:
     """The groups a sample may be split over: what the model's heads allow (as verl's Ulysses checks
-    them), inside one node (`LOCAL_WORLD_SIZE` ranks, as torchrun and verl's Ray workers set it)."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    them), inside one node (the ranks verl's Ray workers have on theirs, `RAY_LOCAL_WORLD_SIZE`, or
+    torchrun's `LOCAL_WORLD_SIZE`)."""
+    per_node = int(os.environ.get("RAY_LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
     return UlyssesModel.from_config(hf_config, gpus_per_node=min(per_node, world_size))
 
 
@@ -81,6 +82,8 @@ class SplitMicroBatches:
         """verl's Ulysses state set to the group `ranks` for one micro-batch."""
         from verl.utils.ulysses import get_ulysses_sequence_parallel_group, set_ulysses_sequence_parallel_group
 
+        if self.groups is None:
+            raise ValueError(f"odc_split: a sample split over ranks {ranks}, but this model's heads allow no group")
         saved = get_ulysses_sequence_parallel_group(), engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size
         with self.groups.split(ranks) as member:
             set_ulysses_sequence_parallel_group(member.group)

@@ -41,12 +41,6 @@ CRITIC_KEY = "critic.strategy"
 SFT_MODULES = ("verl.trainer.sft_trainer",)
 # verl's trainer modes under odc
 SUPPORTED_MODES = ("sync", "colocate_async", "separate_async")
-# the roles' engine configs, where odc_split is set
-SPLIT_KEYS = (
-    "actor_rollout_ref.actor.fsdp_config.odc_split",
-    "actor_rollout_ref.ref.fsdp_config.odc_split",
-    "critic.fsdp.odc_split",
-)
 # verl's legacy trainer (trainer.use_v1=False), and why odc refuses it
 LEGACY_MODULE, LEGACY_CLASS = "verl.trainer.ppo.ray_trainer", "RayPPOTrainer"
 LEGACY_REFUSAL = (
@@ -76,11 +70,6 @@ def trainer_class(cls: type, config) -> type:
         return sft.trainer_class(cls, config)
     if not any(odc_sides(config)):
         return cls
-    split = [key for key in SPLIT_KEYS if config_value(config, key) == "auto"]
-    if split:
-        raise ValueError(
-            f"odc: {split[0]}=auto splits samples in verl's torchrun SFT trainer only; set it to off for main_ppo"
-        )
     return odc_trainer_class(cls)
 
 

@@ -415,3 +415,35 @@ def test_killed_worker_ends_the_job(out, assets):
     assert "ActorDiedError" in grpo.last_error(run.result.log_file)
     assert after < 30 + 60
     assert not runner.ray_processes(run.result.ray_dir)
+
+
+@pytest.mark.xdist_group("main_ppo-split")
+def test_grpo_split_over_groups_of_ranks_trains_as_fsdp2(out, assets):
+    """odc-grpo-cpu at 4 ranks, one prompt of 4 responses a mini-batch (4 mini-batches a step), the KL loss
+    on, response lengths drawn long-tailed (the emulated rl case at a small time scale): the update splits
+    responses over groups of ranks (odc_split=auto) and trains as fsdp2, every step. Adam's eps at 1e-3: a
+    mini-batch whose true gradient is zero (a prompt's responses all scored alike, the KL at its minimum)
+    would otherwise turn the split's 1e-7 float differences into lr-sized steps (0.3-1% at step 1)."""
+    run_dir = out / "grpo-split"
+    args = ["--ranks", "4", "--steps", "3", "--compare", "fsdp2,split", "--out", str(run_dir)]
+    fit = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cost_fit", "Qwen2.5-7B-H100.json")
+    args += ["--emulate", os.path.abspath(fit), "--time-scale", "0.05"]
+    args += [
+        "actor_rollout_ref.actor.fsdp_config.odc_cost_model=tokens",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "actor_rollout_ref.actor.optim.override_optimizer_config={eps:1e-3}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *args],
+        capture_output=True,
+        text=True,
+        timeout=2 * RUN_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fsdp2, split = (read_metrics(str(run_dir / f"{name}.jsonl")) for name in ("fsdp2", "split"))
+    for step in (1, 2, 3):
+        assert split[step]["actor/odc/split/samples"] > 0 and split[step]["actor/odc/split/max_group"] == 4
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
+            base, cand = fsdp2[step][key], split[step][key]
+            assert abs(cand - base) <= 1e-3 * abs(base), f"step {step} {key}: fsdp2 {base}, split {cand}"
+        assert split[step]["odc_balance/split_predicted_s"] < split[step]["odc_balance/unsplit_predicted_s"]

@@ -208,16 +208,3 @@ def test_trainer_choice_on_another_verl_version_fails_odc_only(other_verl, confi
         "strategy=odc needs verl 0.9.1, the version odc-verl's patches of verl were written for, but verl 0.9.2 "
         "is installed; install verl==0.9.1 for odc runs (runs of other strategies do not use the patches)"
     )
-
-
-def test_main_ppo_refuses_odc_split_in_one_line():
-    """The split of long samples runs in verl's torchrun SFT trainer; main_ppo names the key to turn off."""
-    from odc_plugin.verl.trainer import trainer_class
-
-    config = _config("actor_rollout_ref.actor.strategy=odc", "+actor_rollout_ref.actor.fsdp_config.odc_split=auto")
-    with pytest.raises(ValueError) as refused:
-        trainer_class(object, config)
-    assert str(refused.value) == (
-        "odc: actor_rollout_ref.actor.fsdp_config.odc_split=auto splits samples in verl's torchrun SFT trainer "
-        "only; set it to off for main_ppo"
-    )

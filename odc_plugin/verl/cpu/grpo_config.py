@@ -30,12 +30,18 @@ def odc_option(override: str) -> bool:
 
 # The runs a comparison may make: each one's strategy and its own engine options. fsdp2 and odc are what
 # users run; lockstep is FSDP's per-layer synchronization on ODC's transport and code (the same-transport
-# baseline), odc_lb_micro is ODC on verl's equal split; so run to run each factor of odc-demo's rows.
+# baseline), odc_lb_micro is ODC on verl's equal split; so run to run each factor of odc-demo's rows; split
+# is odc with odc_split=auto.
 RUNS = {
     "fsdp2": ("fsdp2", []),
     "lockstep": ("odc", [*ODC_OPTIONS, *_every_engine("odc_balancer=lb_micro", "odc_lockstep=True")]),
     "odc_lb_micro": ("odc", [*ODC_OPTIONS, *_every_engine("odc_balancer=lb_micro")]),
     "odc": ("odc", []),
+    # odc with the longest samples of an update split over groups of ranks
+    "split": (
+        "odc",
+        [*ODC_OPTIONS, "actor_rollout_ref.actor.fsdp_config.odc_split=auto", "critic.fsdp.odc_split=auto"],
+    ),
 }
 _ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 # Keys odc-grpo-cpu sets itself, per run or because it needs them, and what to use instead of overriding them.
