@@ -438,6 +438,21 @@ def _steps_span(runs: Sequence[Run]) -> str:
     return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
+def split_prediction(run) -> str:
+    """The trainer's planner on the split run's steps: LB-Mini's time without the split over the plan's."""
+    ratios = [
+        m["odc_balance/unsplit_predicted_s"] / m["odc_balance/split_predicted_s"]
+        for m in run.steps.values()
+        if m.get("odc_balance/split_predicted_s")
+    ]
+    if not ratios:
+        return "split: the planner reported no prediction"
+    return (
+        f"split: the trainer's planner predicts the update {statistics.median(ratios):.3f}x faster with the split "
+        f"than without (median over {len(ratios)} steps; odc_balance/unsplit_predicted_s / split_predicted_s)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         allow_abbrev=False,

@@ -57,7 +57,8 @@ class ODCEngineConfig(FSDPEngineConfig):
     """`auto`: LB-Mini's plan may split a mini-batch's longest samples over aligned power-of-two groups of
     ranks (Ulysses sequence parallelism for that micro-batch alone), where that is predicted faster: past
     the longest sample, which LB-Mini alone cannot shorten. Needs `odc_balancer=lb_mini`,
-    `ulysses_sequence_parallel_size=1` and `use_remove_padding`; verl's torchrun SFT trainer."""
+    `ulysses_sequence_parallel_size=1` and `use_remove_padding`; verl's torchrun SFT trainer, and the
+    updates of main_ppo (its forward-only passes stay unsplit)."""
 
     odc_barrier_timeout_s: float = 600.0
     """How long a rank waits for the others (at the end of a mini-batch, or for a peer's shards) before

@@ -206,7 +206,9 @@ def report(results: list[RunResult], args, emulation: Emulation | None, out_dir:
     if emulation and emulation.fit:
         slowdowns = parse_slow_ranks(args.slow_ranks, args.ranks)
         slowdowns = [slowdowns.get(r, 1.0) for r in range(args.ranks)]
-        for r in results:
+        # the passes record a split micro-batch's whole lengths on every member: the split run's plans are
+        # timed by the trainer's own planner instead (its odc_balance metrics)
+        for r in (r for r in results if r.strategy != "split"):
             own = Emulation(
                 **{**dataclasses.asdict(emulation), "passes_dir": os.path.join(out_dir, f"{r.strategy}-passes")}
             )
@@ -215,7 +217,8 @@ def report(results: list[RunResult], args, emulation: Emulation | None, out_dir:
             )
         label = describe(emulation).splitlines()[0]
     memory = {r.strategy: r.peak_pss_gib for r in results}
-    return text + "\n\n" + ab_report.phase_report(runs, times, memory, label)
+    text += "\n\n" + ab_report.phase_report(runs, times, memory, label)
+    return text + ("\n" + ab_report.split_prediction(runs[-1]) if "split" in args.compare else "")
 
 
 def main(argv: list[str] | None = None) -> int:

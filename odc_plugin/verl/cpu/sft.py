@@ -310,25 +310,8 @@ def report(results: dict[str, str], args, emulation: Emulation | None, out_dir: 
     label = f"EMULATED: {args.ranks} ranks, fit {os.path.basename(args.emulate)}, length factor {args.length_factor}"
     text += "\n\n" + ab_report.phase_report(runs, times, {}, label)
     if "split" in results:
-        text += "\n" + split_prediction(runs[-1])
+        text += "\n" + ab_report.split_prediction(runs[-1])
     return text
-
-
-def split_prediction(run) -> str:
-    """The trainer's planner on the split run's steps: LB-Mini's time without the split over the plan's."""
-    import statistics
-
-    ratios = [
-        m["odc_balance/unsplit_predicted_s"] / m["odc_balance/split_predicted_s"]
-        for m in run.steps.values()
-        if m.get("odc_balance/split_predicted_s")
-    ]
-    if not ratios:
-        return "split: the planner reported no prediction"
-    return (
-        f"split: the trainer's planner predicts the update {statistics.median(ratios):.3f}x faster with the split "
-        f"than without (median over {len(ratios)} steps; odc_balance/unsplit_predicted_s / split_predicted_s)"
-    )
 
 
 if __name__ == "__main__":
