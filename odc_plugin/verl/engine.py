@@ -220,7 +220,7 @@ class _ODCEngineMixin:
         tu.pop(data, key=STEPS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan: one step, all
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
-        groups = SplitMicroBatches.take(data) if self.odc_split is not None else []  # its leading split samples
+        groups = SplitMicroBatches.take(data)  # the groups of its leading split samples (odc_split)
         batch_num_tokens = self._batch_num_tokens(data, groups)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens, dp_size=self.get_data_parallel_size())
 
@@ -293,6 +293,8 @@ class _ODCEngineMixin:
         every rank then fails the mini-batch (OnDemandComm.abort), its peers naming that rank."""
         failure = None
         try:
+            if groups and self.odc_split is None:
+                raise ValueError("odc: the plan split samples over groups of ranks, but this engine has odc_split=off")
             mine = data["loss_mask"].sum() - SplitMicroBatches.others_tokens(data, groups)
             both = torch.stack([mine.to(torch.float64), torch.zeros((), dtype=torch.float64, device=mine.device)])
         except Exception as e:  # noqa: BLE001  (announced to every rank below)
