@@ -158,21 +158,18 @@ def _train_by_steps(self, data, steps: list[list[int]], splits: list[list[list[i
             f"(every step needs at least one sample on every rank, every sample a step)"
         )
     group = self.engine.get_data_parallel_group()
-    from odc_plugin.verl.split import SPLIT_KEY
+    from odc_plugin.verl.split import SplitMicroBatches
 
     with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
         outputs = []
         for step, indices in enumerate(steps):
             mini_batch = tu.index_select_tensor_dict(data, indices)
             tu.maybe_fix_3d_position_ids(mini_batch)
-            split = [list(map(int, g)) for g in splits[step]]
-            if split:
-                tu.assign_non_tensor(mini_batch, **{SPLIT_KEY: tuple(map(tuple, split))})
+            SplitMicroBatches.give(mini_batch, splits[step])
             if "input_ids" in mini_batch:
                 local = mini_batch["input_ids"].offsets().diff().tolist()
-                # a split sample's tokens once, from its group's first member
-                me = torch.distributed.get_rank()
-                local = [n for i, n in enumerate(local) if i >= len(split) or split[i][0] == me]
+                elsewhere = set(SplitMicroBatches.counted_elsewhere(splits[step]))  # a split sample's tokens once
+                local = [n for i, n in enumerate(local) if i not in elsewhere]
                 gathered = [None] * torch.distributed.get_world_size(group)
                 torch.distributed.all_gather_object(gathered, local, group)
                 global_token_num = [n for rank in gathered for n in rank]

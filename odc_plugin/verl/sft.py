@@ -177,7 +177,7 @@ class _SPMDShares(_ODCSFT):
         from verl.utils import tensordict_utils as tu
 
         plan, _ = self._plan
-        from .split import SPLIT_KEY
+        from .split import SplitMicroBatches
 
         rank, each = self.engine.get_data_parallel_rank(), len(data)
         needs = [plan.split_share(0, r)[0] for r in range(plan.dp_size)]
@@ -200,8 +200,7 @@ class _SPMDShares(_ODCSFT):
                     for p in positions
                 ]
             )
-        if groups:
-            tu.assign_non_tensor(share, **{SPLIT_KEY: tuple(map(tuple, groups))})
+        SplitMicroBatches.give(share, groups)
         return share
 
 

@@ -57,6 +57,19 @@ class SplitMicroBatches:
         self.groups = SequenceGroups(largest) if largest > 1 else None
 
     @staticmethod
+    def give(data, groups: list[list[int]]) -> None:
+        """Mark `data`'s leading samples as split over `groups` (the trainers' side of `take`)."""
+        if groups:
+            tu.assign_non_tensor(data, **{SPLIT_KEY: tuple(tuple(int(r) for r in g) for g in groups)})
+
+    @staticmethod
+    def counted_elsewhere(groups: list[list[int]]) -> list[int]:
+        """The leading split samples this rank holds as a later member of their group: their tokens count on
+        the group's first member alone."""
+        rank = dist.get_rank()
+        return [i for i, g in enumerate(groups) if g[0] != rank]
+
+    @staticmethod
     def take(data) -> list[list[int]]:
         """The groups of `data`'s leading split samples (removed from it; none when nothing is split)."""
         return [list(g) for g in tu.pop(data, key=SPLIT_KEY, default=None) or []]
@@ -71,10 +84,8 @@ class SplitMicroBatches:
 
     @staticmethod
     def others_tokens(data, groups: list[list[int]]):
-        """The loss tokens of the split samples this rank holds as a group's later member: counted by the
-        group's first member alone."""
-        rank = dist.get_rank()
-        later = [i for i, g in enumerate(groups) if g[0] != rank]
+        """The loss tokens of the split samples counted on another rank (`counted_elsewhere`)."""
+        later = SplitMicroBatches.counted_elsewhere(groups)
         return tu.index_select_tensor_dict(data, later)["loss_mask"].sum() if later else 0
 
     @contextlib.contextmanager
