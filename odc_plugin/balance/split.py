@@ -43,8 +43,9 @@ class UlyssesModel:
     ranks' heads need, `bytes_per_token` per token over every layer, forward and backward, at `bandwidth` per
     GPU and direction; each of the `all_to_alls` also costs `latency_s`. `max_group` is the largest k.
 
-    Modelled, not measured: from_config's bandwidth is NVLINK_BW (80% of an H100's NVLink 4) and its latency
-    A2A_LATENCY_S; a measured all-to-all should replace both.
+    Modelled unless given: from_config's bandwidth is NVLINK_BW (80% of an H100's NVLink 4) and its latency
+    A2A_LATENCY_S; odc-check measures both where it runs (comm/calibrate.py: calibrate_all_to_all), and the
+    engine options odc_split_bandwidth and odc_split_latency_s hand them to the planner.
     """
 
     max_group: int = 1
@@ -60,10 +61,14 @@ class UlyssesModel:
             raise ValueError("UlyssesModel needs bytes_per_token, all_to_alls, latency_s >= 0 and bandwidth > 0")
 
     @classmethod
-    def from_config(cls, model, gpus_per_node: int = 8, bandwidth: float = NVLINK_BW) -> UlyssesModel:
+    def from_config(
+        cls, model, gpus_per_node: int = 8, bandwidth: float | None = None, latency_s: float | None = None
+    ) -> UlyssesModel:
         """For a preset or a model's config (as odc_plugin.balance.costs.model_config takes them). Groups stay
         inside a node: across the network the all-to-alls would cost about what the split saves. Where verl
-        repeats kv heads (fewer than k) the repeated copies are not counted."""
+        repeats kv heads (fewer than k) the repeated copies are not counted. `bandwidth` (bytes/s per GPU and
+        direction) and `latency_s` (seconds per all-to-all) as measured; None: the modelled NVLINK_BW and
+        A2A_LATENCY_S."""
         c = FlopsCost.from_config(model_config(model))
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         # Forward: q, k and v into the head layout and attention's output back, bf16; backward: their gradients.
@@ -71,7 +76,8 @@ class UlyssesModel:
             max_group=heads_limit(c.num_attention_heads, c.num_key_value_heads, gpus_per_node),
             bytes_per_token=c.num_hidden_layers * 2 * 2 * (2 * q + 2 * kv),
             all_to_alls=c.num_hidden_layers * 2 * 4,
-            bandwidth=bandwidth,
+            bandwidth=NVLINK_BW if bandwidth is None else bandwidth,
+            latency_s=A2A_LATENCY_S if latency_s is None else latency_s,
         )
 
     def seconds(self, seqlen: int, k: int) -> float:

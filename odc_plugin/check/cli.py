@@ -10,8 +10,10 @@ installed). It prints one screen, and with `--json FILE` writes the same as JSON
 start-up check of peer adds; ODC's transport against the process group's collectives at one decoder
 layer of `--model` (its accumulate methods, and on GPUs a matmul's throughput beside them); a small model
 trained by ODC on uneven micro-batch counts against stock FSDP2 on even ones, over the same samples; memory
-after offload as the driver sees it; and a verdict in one line. It exits 0, or 1 when a check failed (no
-accumulate method adds exactly, or ODC trains otherwise than FSDP2), 2 when it could not run.
+after offload as the driver sees it; the all-to-all of `odc_split` (Ulysses) over the groups of ranks the
+model allows, with the engine settings that give the planner the measured figures; and a verdict in one
+line. It exits 0, or 1 when a check failed (no accumulate method adds exactly, or ODC trains otherwise than
+FSDP2), 2 when it could not run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import json
 import os
 import sys
 
+from ..balance.common import NVLINK_BW
+from ..balance.split import A2A_LATENCY_S
 from ..cli_args import number_arg
+from ..comm.calibrate import AllToAllCalibration
 from .ranks import CheckOptions, check_rank
 from .verdict import LayerShape, Verdict, balanced_overhead, planned_speedup
 
@@ -239,6 +244,8 @@ def format_report(report: dict, options: CheckOptions, verdict: Verdict | None) 
                         f"  after offload, {key:<9} ODC {_mib(o[key])}, FSDP2 {_mib(f[key])} "
                         f"({(o[key] - f[key]) / max(f[key], 1):+.2%})"
                     )
+    if "all_to_all" in report:
+        lines += _all_to_all_lines(report["all_to_all"], options)
     if verdict is not None:
         inputs = report["verdict_inputs"]
         lines.append(
@@ -249,6 +256,33 @@ def format_report(report: dict, options: CheckOptions, verdict: Verdict | None) 
         lines.append(verdict.line())
     elif not _passed(report):
         lines.append("odc-check: FAILED: see above; strategy=odc would not train correctly on this machine")
+    return lines
+
+
+def _all_to_all_lines(a: AllToAllCalibration | str, options: CheckOptions) -> list[str]:
+    """odc_split's all-to-all: per group size the measured points and the line through them, and the engine
+    settings that give the planner the slowest of them."""
+    if isinstance(a, str):
+        return [f"Ulysses all-to-all (odc_split): not measured: {a}"]
+    sizes = ", ".join(str(k) for k in a.group_sizes)
+    lines = [
+        f"Ulysses all-to-all (odc_split) over {a.backend}, aligned groups of {sizes} ranks at once, "
+        f"{options.micro_batch_tokens} tokens a rank of {options.model}; slowest rank, median of {a.repeats}"
+    ]
+    for k in a.group_sizes:
+        points = ", ".join(f"{_mib(b)} {t * 1e3:.3f} ms" for b, t in zip(a.message_bytes, a.seconds[k]))
+        lines.append(
+            f"  k={k:<2} latency {a.latency_s[k] * 1e6:9.1f} us   bandwidth {a.bandwidth[k] / 1e9:8.2f} GB/s   "
+            f"({points})"
+        )
+    lines.append(
+        "  for the planner (the smallest bandwidth and largest latency above): "
+        f"odc_split_bandwidth={a.worst_bandwidth:.3e} odc_split_latency_s={a.worst_latency_s:.3e}"
+    )
+    lines.append(
+        "  (engine.odc_split_* in verl's SFT trainer, <role's engine config>.odc_split_* in main_ppo; unset, the "
+        f"planner models {NVLINK_BW:.3e} bytes/s and {A2A_LATENCY_S:.3e} s)"
+    )
     return lines
 
 

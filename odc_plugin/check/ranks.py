@@ -9,7 +9,11 @@
 4. the device's matmul throughput (the verdict's compute per layer) and, on GPUs, with the accumulates
    running beside it on a high-priority stream, as FSDP's reduce-scatter stream is;
 5. memory after the model is offloaded, as verl does before the rollout: ODC against stock FSDP2, in torch's
-   counts and as the driver sees this process (NVML, or nvidia-smi).
+   counts and as the driver sees this process (NVML, or nvidia-smi);
+6. the Ulysses all-to-all that `odc_split` runs (comm/calibrate.py: calibrate_all_to_all), over the aligned
+   groups of ranks the named model's heads allow inside this node, at one layer's messages of a micro-batch
+   and a small one: per group size the fitted latency and bandwidth, which the engine options
+   odc_split_latency_s and odc_split_bandwidth hand to the planner.
 
 A failed check ends the run on every rank alike (each result is the same on every rank, or reduced over
 them), and the rest is skipped: no method with exact adds, or training that differs from FSDP2's.
@@ -31,8 +35,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from ..balance.split import UlyssesModel
 from ..comm import DelegatingTransport, Transport, make_transport, peer_atomics
-from ..comm.calibrate import Bucket, calibrate
+from ..comm.calibrate import AllToAllCalibration, Bucket, calibrate, calibrate_all_to_all
 from ..fsdp import ODCConfig, apply_odc
 from ..models import build_qwen2, shard_qwen2, token_mean_loss
 from .environment import environment
@@ -111,7 +116,36 @@ def check_rank(rank: int, world_size: int, options: CheckOptions) -> dict:
         return report
     report["compute"] = _compute(transport, device, bucket, options)
     report["memory"] = _memory(transport, device, world_size)
+    report["all_to_all"] = _all_to_all(device, world_size, options)
     return report
+
+
+# The small message of the all-to-all's fit: a few tokens' worth, its time nearly all start-up.
+SMALL_MESSAGE_BYTES = 64 << 10
+
+
+def _all_to_all(device, world_size: int, options: CheckOptions) -> AllToAllCalibration | str:
+    """The all-to-all over every group size odc_split may use here for `options.model` (aligned powers of
+    two inside the node, as its heads allow), at the messages verl's Ulysses attention sends for a micro-batch
+    of `options.micro_batch_tokens` tokens a rank (one layer's q or attention output, and its k or v: bf16)
+    and a small one; or why no group size is possible here."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    ulysses = UlyssesModel.from_config(options.model, gpus_per_node=min(per_node, world_size))
+    sizes = ulysses.group_sizes(world_size)[1:]
+    flops = LayerShape.of(options.model).flops
+    if not sizes:
+        return (
+            f"{options.model}'s {flops.num_attention_heads} heads ({flops.num_key_value_heads} kv) allow no group "
+            f"of 2 or more aligned ranks among {world_size} ({per_node} on this node)"
+        )
+    q, kv = flops.num_attention_heads * flops.head_dim, flops.num_key_value_heads * flops.head_dim
+    messages = [SMALL_MESSAGE_BYTES] + [options.micro_batch_tokens * width * 2 for width in (kv, q)]
+    if len(set(messages)) < 2:
+        messages.append(4 * max(messages))
+    # NCCL's all-to-alls take microseconds, so each sample runs ten; gloo's (CPU, or ranks sharing a GPU) take
+    # milliseconds
+    repeats, iters = (7, 10) if dist.get_backend() == "nccl" else (5, 2)
+    return calibrate_all_to_all(None, sizes, messages, device=device, repeats=repeats, iters=iters)
 
 
 def _probe(transport: Transport, device: torch.device, method: str) -> dict:

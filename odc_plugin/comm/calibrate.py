@@ -13,10 +13,16 @@ and picks the faster accumulate method, alike on every rank (each time is the sl
 the collective's time over ODC's: above 1, ODC's transport is faster. It is collective, allocates its
 regions for the measurement only, and needs no accumulator to exist (the method is set for the next ones).
 Nothing here knows FSDP: the caller names the buckets.
+
+`calibrate_all_to_all` times the other collective ODC's plans lean on: the all-to-all of Ulysses sequence
+parallelism, over aligned blocks of k ranks at a time (every block at once, as a split plan runs them), at
+message sizes the caller names, and fits per k the line `latency_s + bytes sent / bandwidth` through them.
+Nothing here knows the planner or the model either: the caller names the group sizes and the messages.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -230,3 +236,160 @@ def _seconds(run: Callable[[], None], device: torch.device, repeats: int) -> flo
             if i:
                 times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# A fitted start-up time below this is the small message's noise, not a latency: no all-to-all starts faster.
+MIN_LATENCY_S = 1e-6
+
+
+@dataclass(frozen=True)
+class AllToAllCalibration:
+    """What `calibrate_all_to_all` measured: per group size k, the slowest rank's median seconds of one
+    all_to_all_single at each message size, and the line fitted through them."""
+
+    backend: str
+    world_size: int
+    message_bytes: tuple[int, ...]
+    """Each rank's buffer per all-to-all, ascending: it keeps 1/k of it and sends (k - 1)/k, 1/k to each peer."""
+    repeats: int
+    """Timed samples per point (each `iters` all-to-alls back to back); the median is kept."""
+    seconds: dict[int, tuple[float, ...]]
+    """Per k: seconds of one all-to-all at each of `message_bytes`, the slowest rank's median."""
+    latency_s: dict[int, float]
+    """Per k: the fit's start-up time of one all-to-all (at least MIN_LATENCY_S)."""
+    bandwidth: dict[int, float]
+    """Per k: the fit's bytes per second per rank and direction (what each rank sends of its buffer, over time)."""
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return tuple(self.seconds)
+
+    @property
+    def worst_latency_s(self) -> float:
+        """The largest latency of any k: with `worst_bandwidth`, a line that no k's fit lies above."""
+        return max(self.latency_s.values())
+
+    @property
+    def worst_bandwidth(self) -> float:
+        """The slowest group size's bandwidth."""
+        return min(self.bandwidth.values())
+
+    def predicted_s(self, k: int, message_bytes: float) -> float:
+        """One all-to-all of `message_bytes` a rank over k ranks, as fitted."""
+        return self.latency_s[k] + message_bytes * (k - 1) / k / self.bandwidth[k]
+
+    def summary(self) -> str:
+        """One line: per k, the fitted latency and bandwidth."""
+        per_k = ", ".join(
+            f"k={k} {self.latency_s[k] * 1e6:.1f} us + {self.bandwidth[k] / 1e9:.2f} GB/s" for k in self.group_sizes
+        )
+        return (
+            f"{self.backend}'s all-to-all on {self.world_size} ranks: {per_k} (slowest rank, median of {self.repeats}, "
+            f"messages of {', '.join(f'{b / 2**20:.2f}' for b in self.message_bytes)} MiB a rank)"
+        )
+
+
+def fit_all_to_all(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(latency_s, bandwidth) of the line t = latency_s + sent / bandwidth through (sent bytes, seconds) points,
+    least squares in relative error (so that the small messages set the latency and the large ones the
+    bandwidth). Where the points are too noisy for a rising line, the largest message's time is all transfer
+    and the smallest's all latency; the latency is at least MIN_LATENCY_S."""
+    if len(points) < 2 or len({x for x, _ in points}) < 2 or any(not (x > 0 and t > 0) for x, t in points):
+        raise ValueError(f"fit_all_to_all needs two or more message sizes, bytes and seconds > 0, got {list(points)}")
+    w = [1 / t**2 for _, t in points]
+    s = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    st = sum(wi * t for wi, (_, t) in zip(w, points))
+    sxt = sum(wi * x * t for wi, (x, t) in zip(w, points))
+    det = s * sxx - sx * sx
+    slope = (s * sxt - sx * st) / det if det > 0 else 0.0
+    if not (slope > 0 and math.isfinite(slope)):
+        largest = max(points)
+        return max(min(t for _, t in points), MIN_LATENCY_S), largest[0] / largest[1]
+    latency = (st - slope * sx) / s
+    return max(latency, MIN_LATENCY_S), 1 / slope
+
+
+def calibrate_all_to_all(
+    group: dist.ProcessGroup | None,
+    group_sizes: Sequence[int],
+    message_bytes: Sequence[int],
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 5,
+    iters: int = 3,
+) -> AllToAllCalibration:
+    """Collective over `group` (None: the default group): time dist.all_to_all_single over every aligned
+    block of k of its ranks at once, for each k of `group_sizes` (powers of two >= 2 dividing its size),
+    at each of `message_bytes` (bytes of a rank's buffer, two or more sizes; each rounded up to whole
+    elements of `dtype` per rank of the largest k). Each point is the median of `repeats` samples of `iters`
+    all-to-alls, after one untimed; every rank returns the slowest rank's times and the same fit.
+
+    A k below the group's size runs on new groups (dist.new_group, destroyed at the end), which every
+    rank of the job must create: then `group` must be the whole job."""
+    world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    sizes = sorted(set(group_sizes))
+    if not sizes or any(k < 2 or k & (k - 1) or world % k for k in sizes):
+        raise ValueError(f"group sizes must be powers of two >= 2 dividing the {world} ranks, got {list(group_sizes)}")
+    if sizes[0] < world and world != dist.get_world_size():
+        raise ValueError("groups smaller than `group` are made by every rank of the job: pass the whole job's group")
+    if repeats < 1 or iters < 1:
+        raise ValueError(f"repeats and iters must be >= 1, got {repeats} and {iters}")
+    unit = sizes[-1] * dtype.itemsize
+    messages = sorted({math.ceil(b / unit) * unit for b in message_bytes if b > 0})
+    if len(messages) < 2 or any(b <= 0 for b in message_bytes):
+        raise ValueError(f"calibrate_all_to_all needs two or more message sizes > 0, got {list(message_bytes)}")
+    me = dist.get_rank()
+    flag = torch.zeros(1, device=device)
+
+    def sync() -> None:
+        # every block starts together, as a plan's split samples run: one small all-reduce over the group
+        dist.all_reduce(flag, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    medians = []
+    for k in sizes:
+        block, made = group, []
+        if k < world:
+            for first in range(0, world, k):  # every rank makes every block, in the same order
+                made.append(dist.new_group(ranks[first : first + k]))
+                if me in ranks[first : first + k]:
+                    block = made[-1]
+        for nbytes in messages:
+            send = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
+            recv = torch.empty_like(send)
+            times = []
+            for i in range(repeats + 1):  # the first untimed: it sets up a new group's communicator
+                sync()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_to_all_single(recv, send, group=block)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i:
+                    times.append((time.perf_counter() - start) / iters)
+            medians.append(statistics.median(times))
+        # done with (a failure leaves them to the job's end: destroying a group a peer died in may wait on it)
+        for g in made:
+            dist.destroy_process_group(g)
+    # every rank fits the slowest rank's times, so all return the same
+    slowest = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    values = slowest.tolist()
+    seconds, latency, bandwidth = {}, {}, {}
+    for i, k in enumerate(sizes):
+        seconds[k] = tuple(values[i * len(messages) : (i + 1) * len(messages)])
+        latency[k], bandwidth[k] = fit_all_to_all([(b * (k - 1) / k, t) for b, t in zip(messages, seconds[k])])
+    return AllToAllCalibration(
+        backend=str(dist.get_backend(group)),
+        world_size=world,
+        message_bytes=tuple(messages),
+        repeats=repeats,
+        seconds=seconds,
+        latency_s=latency,
+        bandwidth=bandwidth,
+    )

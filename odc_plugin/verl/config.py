@@ -57,8 +57,17 @@ class ODCEngineConfig(FSDPEngineConfig):
     """`auto`: LB-Mini's plan may split a mini-batch's longest samples over aligned power-of-two groups of
     ranks (Ulysses sequence parallelism for that micro-batch alone), where that is predicted faster: past
     the longest sample, which LB-Mini alone cannot shorten. Needs `odc_balancer=lb_mini`,
-    `ulysses_sequence_parallel_size=1` and `use_remove_padding`; verl's torchrun SFT trainer, and the
-    updates of main_ppo (its forward-only passes stay unsplit)."""
+    `ulysses_sequence_parallel_size=1` and `use_remove_padding`; verl's torchrun SFT trainer, and
+    main_ppo's updates and forward-only passes (each role's engine its own)."""
+
+    odc_split_bandwidth: float | None = None
+    """`odc_split`'s all-to-alls for the planner: bytes per second per GPU and direction (not GB/s: under
+    1e6 is refused), as `odc-check` measures them on the job's nodes; None: modelled, ~80% of an H100's
+    NVLink 4 (360e9)."""
+
+    odc_split_latency_s: float | None = None
+    """`odc_split`'s all-to-alls for the planner: seconds each one takes to start, as `odc-check` measures
+    them; None: modelled (20e-6, an H100 node's NCCL)."""
 
     odc_barrier_timeout_s: float = 600.0
     """How long a rank waits for the others (at the end of a mini-batch, or for a peer's shards) before
@@ -86,6 +95,15 @@ class ODCEngineConfig(FSDPEngineConfig):
                 f"odc_split=auto plans each micro-batch's sequence-parallel group itself: it needs "
                 f"odc_balancer=lb_mini and ulysses_sequence_parallel_size=1, got {self.odc_balancer!r} and "
                 f"{self.ulysses_sequence_parallel_size}"
+            )
+        for name in ("odc_split_bandwidth", "odc_split_latency_s"):
+            value = getattr(self, name)
+            if value is not None and not is_positive_finite(value):
+                raise ValueError(f"{name} must be a finite number > 0 (or null: modelled), got {value!r}")
+        if self.odc_split_bandwidth is not None and self.odc_split_bandwidth < 1e6:
+            raise ValueError(
+                f"odc_split_bandwidth is in bytes/s (odc-check prints it, e.g. 3.6e+11 for 360 GB/s), got "
+                f"{self.odc_split_bandwidth!r}: under 1 MB/s, a figure in GB/s?"
             )
         if not is_positive_finite(self.odc_barrier_timeout_s):
             raise ValueError(f"odc_barrier_timeout_s must be a finite number > 0, got {self.odc_barrier_timeout_s!r}")

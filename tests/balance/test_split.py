@@ -43,6 +43,12 @@ def test_heads_limit_and_the_all_to_all_model():
     assert 0.01 < ulysses.seconds(32768, 4) < 0.03 < get_cost_model("flops", model=MODEL)(32768) / 4 / 4e14 / 10
     with pytest.raises(ValueError, match="max_group must be a power of two"):
         UlyssesModel(max_group=3)
+    # measured figures (odc-check's, through odc_split_bandwidth / odc_split_latency_s) replace the modelled
+    # ones; None keeps them
+    assert UlyssesModel.from_config(MODEL, bandwidth=None, latency_s=None) == ulysses
+    measured = UlyssesModel.from_config(MODEL, bandwidth=ulysses.bandwidth / 2, latency_s=2 * ulysses.latency_s)
+    assert (measured.bandwidth, measured.latency_s) == (ulysses.bandwidth / 2, 2 * ulysses.latency_s)
+    assert measured.seconds(32768, 4) == pytest.approx(2 * ulysses.seconds(32768, 4))
 
 
 def test_lb_mini_balances_what_ranks_have_left():

@@ -1,6 +1,7 @@
 """odc-check on CPU ranks (shm transport, gloo), as a user runs it: every section with figures measured in
-the run, the JSON, ODC on uneven micro-batch counts at 2 and 4 ranks, 2 ranks without --ranks, a slow link
-flipping the verdict, a pair losing its adds failing the check, bad input."""
+the run, the JSON, odc_split's all-to-all and the engine settings it prints, ODC on uneven micro-batch counts
+at 2 and 4 ranks, 2 ranks without --ranks, a slow link flipping the verdict, a pair losing its adds failing
+the check, bad input."""
 
 from __future__ import annotations
 
@@ -50,6 +51,25 @@ def test_four_cpu_ranks_print_every_section_and_write_the_json(four_ranks):
     assert f"{k['worst']:.2e}" in out
     assert report["memory"]["odc_released_bytes"] < report["memory"]["odc_built_bytes"]
     assert report["verdict"]["line"] == out.strip().splitlines()[-1]
+    # odc_split's all-to-all over the groups Qwen2.5-0.5B's 14 heads allow (2), two blocks of 2 at once: the
+    # small message, then one layer's k or v and q of 4096 tokens a rank, bf16 (its 2 kv heads and 14 of 64)
+    a = report["all_to_all"]
+    assert (a["backend"], a["world_size"], list(a["seconds"])) == ("gloo", 4, ["2"])
+    assert a["message_bytes"] == [2**16, 4096 * 128 * 2, 4096 * 896 * 2]
+    assert all(t > 0 for t in a["seconds"]["2"]) and a["latency_s"]["2"] > 0 and a["bandwidth"]["2"] > 0
+    assert (
+        "Ulysses all-to-all (odc_split) over gloo, aligned groups of 2 ranks at once, 4096 tokens a rank of "
+        "Qwen2.5-0.5B; slowest rank, median of 5\n"
+        f"  k=2  latency {a['latency_s']['2'] * 1e6:9.1f} us   bandwidth {a['bandwidth']['2'] / 1e9:8.2f} GB/s   "
+        f"(0.1 MiB {a['seconds']['2'][0] * 1e3:.3f} ms, 1.0 MiB "
+    ) in out
+    # the settings printed are ones the engine config takes
+    settings = next(line for line in out.splitlines() if "odc_split_bandwidth=" in line).split(": ", 1)[1].split()
+    assert settings == [
+        f"odc_split_bandwidth={a['bandwidth']['2']:.3e}",
+        f"odc_split_latency_s={a['latency_s']['2']:.3e}",
+    ]
+    assert float(settings[0].split("=")[1]) == pytest.approx(a["bandwidth"]["2"], rel=1e-3)
 
 
 def test_two_ranks_train_odc_on_uneven_counts_and_a_slow_link_makes_the_verdict_say_odc_would_lose(tmp_path):
@@ -59,6 +79,9 @@ def test_two_ranks_train_odc_on_uneven_counts_and_a_slow_link_makes_the_verdict_
     # the same 6 samples as FSDP2's 3 and 3, one rank running five times the other's micro-batches
     correctness = "correctness: Qwen2 'small', 3 SGD steps, ODC on micro-batch counts [5, 1] against stock FSDP2 on"
     assert f"{correctness} [3, 3]\n  worst relative difference" in proc.stdout and "same training" in proc.stdout
+    # the all-to-all over both ranks, at 8 tokens' messages: a small one and one layer's k or v and q
+    assert "Ulysses all-to-all (odc_split) over gloo, aligned groups of 2 ranks at once, 8 tokens a rank" in proc.stdout
+    assert "(0.0 MiB " in proc.stdout and "odc_split_latency_s=" in proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
     assert (
         last.startswith("odc-check: WARNING: ODC would lose here: ODC's transport is 0.") and "strategy=fsdp2" in last

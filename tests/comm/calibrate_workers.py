@@ -7,7 +7,7 @@ import time
 import torch
 
 from odc_plugin.comm import DelegatingTransport, make_transport
-from odc_plugin.comm.calibrate import Bucket, calibrate
+from odc_plugin.comm.calibrate import Bucket, calibrate, calibrate_all_to_all
 
 
 class SlowGets(DelegatingTransport):
@@ -36,3 +36,8 @@ def calibrated(rank, world_size, methods=None, slots_budget_bytes=None, delay_s=
     sums, nbytes = acc.local.tolist(), transport.region_bytes(acc)
     transport.close()
     return {"result": result, "sums": sums, "bytes": nbytes, "method": transport.accumulate_method}
+
+
+def all_to_all(rank, world_size, group_sizes, message_bytes):
+    """The all-to-all's calibration on this rank, over gloo on CPU."""
+    return calibrate_all_to_all(None, group_sizes, message_bytes, device=torch.device("cpu"), repeats=3, iters=2)

@@ -266,6 +266,11 @@ def test_engine_odc_option_in_a_role_config_of_your_own(base, tmp_path):
         # the lockstep baseline runs verl's equal split; LB-Mini's uneven counts cannot move in lockstep
         ("actor_rollout_ref.actor.fsdp_config.odc_lockstep=True", "odc_lockstep"),
         ("actor_rollout_ref.actor.fsdp_config.odc_split=on", "odc_split"),
+        ("actor_rollout_ref.actor.fsdp_config.odc_split_bandwidth=0", "odc_split_bandwidth"),
+        ("critic.fsdp.odc_split_latency_s=-2e-05", "odc_split_latency_s"),
+        ("actor_rollout_ref.actor.fsdp_config.odc_split_latency_s=fast", "odc_split_latency_s"),
+        # bytes/s: a figure in GB/s is refused, not planned with at a billionth of the link
+        ("actor_rollout_ref.actor.fsdp_config.odc_split_bandwidth=360", "odc_split_bandwidth"),
     ],
 )
 def test_wrong_option_fails_validation_naming_the_key(base, override, key):
@@ -280,6 +285,27 @@ def test_wrong_option_fails_validation_naming_the_key(base, override, key):
     assert isinstance(error, (ValueError, TypeError))
     message = str(error)
     assert len(message.splitlines()) == 1 and key in message, message
+
+
+def test_measured_all_to_all_settings_as_odc_check_prints_them_reach_the_engine_config(base):
+    """odc-check prints `odc_split_bandwidth=8.292e+08 odc_split_latency_s=1.042e-03`: as overrides they
+    compose, pass verl's checks and reach every role's engine config as numbers; unset, they are None
+    (the planner's modelled figures)."""
+    cfg = compose_ppo(
+        base
+        + ODC
+        + [
+            "actor_rollout_ref.actor.fsdp_config.odc_split_bandwidth=8.292e+08",
+            "actor_rollout_ref.actor.fsdp_config.odc_split_latency_s=1.042e-03",
+            "critic.fsdp.odc_split_bandwidth=360000000000",
+        ]
+    )
+    validate(cfg)
+    roles = role_configs(cfg)
+    actor, critic, ref = (roles[name].engine for name in ("actor", "critic", "ref"))
+    assert (actor.odc_split_bandwidth, actor.odc_split_latency_s) == (8.292e08, 1.042e-03)
+    assert (critic.odc_split_bandwidth, critic.odc_split_latency_s) == (360e9, None)
+    assert (ref.odc_split_bandwidth, ref.odc_split_latency_s) == (None, None)
 
 
 def test_verls_ulysses_group_and_the_split_are_refused_together_in_one_line():
