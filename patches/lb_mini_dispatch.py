@@ -142,6 +142,13 @@ def _lb_mini_dispatch(mesh_name, stock_dispatch, worker_group, *args, **kwargs):
     return out
 
 
+def _collect_once(stock_collect, worker_group, output):
+    """verl's collect of a planned call, each split sample's outputs taken from its group's first member."""
+    from odc_plugin.verl.dispatch import collect_once
+
+    return stock_collect(worker_group, collect_once(output))
+
+
 def check_dispatch() -> None:
     """What _lb_mini_dispatch and run_on_pieces call of verl's, as they call it."""
     from verl.single_controller.base import decorator
@@ -191,7 +198,7 @@ def _planned(cls_name: str, method_name: str, method, mesh: str):
             **attrs,
             "dispatch_mode": {
                 "dispatch_fn": functools.partial(_lb_mini_dispatch, mesh, dispatch),
-                "collect_fn": mode["collect_fn"],
+                "collect_fn": functools.partial(_collect_once, mode["collect_fn"]),
             },
         },
     )
@@ -241,6 +248,7 @@ def _stage_settings(trainer, stage: str):
         settings = actor and actor.for_inference(
             roles.rollout.log_prob_max_token_len_per_gpu if actor.max_token_len else None,
             None if actor.max_token_len else roles.rollout.log_prob_micro_batch_size_per_gpu,
+            actor.ulysses,
         )
     elif stage == "ref_log_prob" and roles.ref.get("strategy") == "odc":
         ref = roles.ref
@@ -253,13 +261,14 @@ def _stage_settings(trainer, stage: str):
             max_token_len=ref.get("log_prob_max_token_len_per_gpu"),
             micro_batch_size=ref.get("log_prob_micro_batch_size_per_gpu"),
             model_config=lambda: omega_conf_to_dataclass(roles.model).hf_config,
+            gpus_per_node=config.trainer.n_gpus_per_node,
         )
         actor = _stage_settings(trainer, "actor")
-        settings = own and (actor or own).for_inference(own.max_token_len, own.micro_batch_size)
+        settings = own and (actor or own).for_inference(own.max_token_len, own.micro_batch_size, own.ulysses)
     elif stage == "values":
         critic = _stage_settings(trainer, "critic")
         # verl gives the critic's engine one budget for both (trainer_base.py)
-        settings = critic and critic.for_inference(critic.max_token_len, critic.micro_batch_size)
+        settings = critic and critic.for_inference(critic.max_token_len, critic.micro_batch_size, critic.ulysses)
     cache[stage] = settings
     return settings
 

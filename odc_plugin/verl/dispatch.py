@@ -16,7 +16,8 @@ Under `strategy=odc` ranks only meet at the end of a mini-batch, so for each cal
 3. sends each rank the samples it needs, each once, and for every step the indices of those it trains
    on (`STEPS_KEY`).
 A forward-only pass (old log-probs, reference log-probs, values) is one step over the whole batch; each
-rank computes its share and verl writes the results back by sample key.
+rank computes its share and verl writes the results back by sample key; a sample split over a group is
+computed by every member, and its output taken from the first (`collect_once`).
 
 This module is the planning (the steps, the plans, the split of a batch's metadata, the metrics, a role's
 packing); the verl patches that use it are `patches/lb_mini_dispatch.py` (trainer and dispatch) and
@@ -264,7 +265,8 @@ def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, 
     {prefix}/micro_batches_min, /micro_batches_max: predicted micro-batches of one rank in one step;
     {prefix}/mini_batches: optimizer steps of the call;
     with `odc_split`: {prefix}/split_predicted_s and /unsplit_predicted_s, the planner's time of the call's
-        steps with its splits and without (cost over speed: seconds with the auto fit).
+        steps with its splits and without (cost over speed: seconds with the auto fit), and
+        {prefix}/split_samples, the samples it split.
     A split sample counts a k-th of its tokens and cost on each rank of its group of k.
     """
     costs = get_cost_model(cost).costs([int(s) for s in seqlens])
@@ -282,6 +284,7 @@ def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, 
     if plan.predicted:
         split[f"{prefix}/split_predicted_s"] = sum(p[0] for p in plan.predicted)
         split[f"{prefix}/unsplit_predicted_s"] = sum(p[1] for p in plan.predicted)
+        split[f"{prefix}/split_samples"] = float(sum(map(len, plan.splits)))
     return {
         **split,
         f"{prefix}/min": float(min(tokens)),
@@ -350,9 +353,14 @@ class LBMiniSettings:
         )
         return plan, fit
 
-    def for_inference(self, max_token_len: int | None, micro_batch_size: int | None) -> LBMiniSettings:
-        """A forward-only pass of the same role, planned with this fit."""
-        return LBMiniSettings(self.cost, max_token_len, micro_batch_size, self.auto, self.sp_size, fit_from=self)
+    def for_inference(
+        self, max_token_len: int | None, micro_batch_size: int | None, ulysses: UlyssesModel | None = None
+    ) -> LBMiniSettings:
+        """A forward-only pass of the same role, planned with this fit; its samples split as `ulysses` allows
+        (the pass's own engine's odc_split)."""
+        return LBMiniSettings(
+            self.cost, max_token_len, micro_batch_size, self.auto, self.sp_size, ulysses=ulysses, fit_from=self
+        )
 
     def observe(self, metrics: dict, prefix: str) -> dict[str, float]:
         """Take the auto fit the role's engine reported in the update's metrics (`<prefix>odc/fit_*`,
@@ -423,6 +431,20 @@ def split_by_plan(meta, dp_size: int) -> list:
             )
         )
     return pieces
+
+
+def collect_once(outputs: list) -> list:
+    """The ranks' outputs of a forward-only call (KVBatchMeta, in rank order) with each sample once: every
+    member of a split sample's group wrote the same gathered outputs under its key, and verl's collect
+    refuses a key twice. Anything else (an update's metrics, a non-blocking call's futures) as it is."""
+    if not outputs or not all(hasattr(o, "select_keys") for o in outputs):
+        return outputs
+    seen, once = set(), []
+    for output in outputs:
+        keys = [k for k in output.keys if k not in seen]
+        seen.update(keys)
+        once.append(output if len(keys) == len(output.keys) else output.select_keys(keys))
+    return once
 
 
 @dataclass(frozen=True)
@@ -499,7 +521,12 @@ def lb_mini_settings(
     sp_size = sequence_parallel_size(engine_config)
     ulysses = None
     if odc.odc_split == "auto" and gpus_per_node:
-        ulysses = UlyssesModel.from_config(model_config() if callable(model_config) else model_config, gpus_per_node)
+        ulysses = UlyssesModel.from_config(
+            model_config() if callable(model_config) else model_config,
+            gpus_per_node,
+            bandwidth=odc.odc_split_bandwidth,
+            latency_s=odc.odc_split_latency_s,
+        )
     if use_dynamic_bsz:
         if max_token_len is None:
             raise ValueError("use_dynamic_bsz needs ppo_max_token_len_per_gpu")

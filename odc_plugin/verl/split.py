@@ -31,17 +31,24 @@ from verl.utils.metric import AggregationType, Metric
 
 from ..balance.split import UlyssesModel
 from ..fsdp.ulysses import SequenceGroups
+from .config import as_odc_config
+from .dispatch import SPLIT_STEPS_KEY
 
 # non-tensor entry of a rank's data: the ranks of the group of each of its leading (split) samples
 SPLIT_KEY = "odc_split_ranks"
 
 
-def split_model(hf_config, world_size: int) -> UlyssesModel:
+def split_model(hf_config, world_size: int, odc_config) -> UlyssesModel:
     """The groups a sample may be split over: what the model's heads allow (as verl's Ulysses checks
     them), inside one node (the ranks verl's Ray workers have on theirs, `RAY_LOCAL_WORLD_SIZE`, or
-    torchrun's `LOCAL_WORLD_SIZE`)."""
+    torchrun's `LOCAL_WORLD_SIZE`); their all-to-alls priced as the engine config gives them."""
     per_node = int(os.environ.get("RAY_LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    return UlyssesModel.from_config(hf_config, gpus_per_node=min(per_node, world_size))
+    return UlyssesModel.from_config(
+        hf_config,
+        gpus_per_node=min(per_node, world_size),
+        bandwidth=odc_config.odc_split_bandwidth,
+        latency_s=odc_config.odc_split_latency_s,
+    )
 
 
 class SplitMicroBatches:
@@ -52,7 +59,9 @@ class SplitMicroBatches:
             raise ValueError("odc_split=auto does not split a vision-language model's inputs; set odc_split=off")
         if not engine.use_remove_padding:
             raise ValueError("odc_split=auto runs verl's Ulysses attention, which needs model.use_remove_padding=True")
-        self.model = split_model(engine.model_config.hf_config, dist.get_world_size())
+        self.model = split_model(
+            engine.model_config.hf_config, dist.get_world_size(), as_odc_config(engine.engine_config)
+        )
         largest = self.model.group_sizes(dist.get_world_size())[-1]
         self.groups = SequenceGroups(largest) if largest > 1 else None
 
@@ -71,8 +80,11 @@ class SplitMicroBatches:
 
     @staticmethod
     def take(data) -> list[list[int]]:
-        """The groups of `data`'s leading split samples (removed from it; none when nothing is split)."""
-        return [list(g) for g in tu.pop(data, key=SPLIT_KEY, default=None) or []]
+        """The groups of `data`'s leading split samples (removed from it; none when nothing is split): an
+        update's step has them from `give`, a forward-only pass from its plan's one step."""
+        steps = tu.pop(data, key=SPLIT_STEPS_KEY, default=None)
+        groups = tu.pop(data, key=SPLIT_KEY, default=None) or (steps[0] if steps else [])
+        return [list(g) for g in groups]
 
     @staticmethod
     def split_off(data, groups: list[list[int]]):

@@ -224,3 +224,34 @@ def test_split_by_plan_gives_each_rank_its_samples_once_and_its_steps():
         }
         assert piece.partition_id == "train" and piece.fields == ["input_ids"]
     assert batch.extra_info[PLAN_KEY] is request  # the caller's batch is left alone
+
+
+@needs_tq
+def test_a_forward_only_pass_splits_on_every_member_and_collects_each_sample_once():
+    """A forward-only pass planned with the role's UlyssesModel: the split sample goes to every member of its
+    group, first, with its group as the pass's one step; the members' outputs (metas of the keys they
+    computed) collect to each sample once, as verl's collect requires."""
+    import dataclasses
+
+    from transfer_queue import KVBatchMeta
+
+    from odc_plugin.balance.split import UlyssesModel
+    from odc_plugin.verl.dispatch import SPLIT_STEPS_KEY, collect_once
+
+    lens = [60, 4, 4, 4, 4, 4, 4, 4]
+    training = lb_mini_settings(engine_config("odc", odc_cost_model="tokens"), **DYNAMIC)
+    ulysses = UlyssesModel(max_group=2)
+    settings = dataclasses.replace(training, ulysses=ulysses).for_inference(64, None, ulysses)
+    assert settings.fit_from is not None and settings.ulysses is ulysses
+    batch = kv_batch(lens)
+    request = PlanRequest(settings, update=False)
+    batch.extra_info[PLAN_KEY] = request
+    pieces = split_by_plan(batch, 2)
+    (split,) = request.plan.splits[0]
+    assert split.sample == 0 and list(split.group) == [0, 1]
+    for piece in pieces:
+        assert piece.keys[0] == batch.keys[0] and piece.extra_info[SPLIT_STEPS_KEY] == [[[0, 1]]]
+    outputs = [dataclasses.replace(piece, extra_info={}) for piece in pieces]  # a worker's output: its keys
+    collected = KVBatchMeta.concat(collect_once(outputs))
+    assert sorted(collected.keys) == sorted(batch.keys)
+    assert collect_once([{"metrics": 1}, {"metrics": 2}]) == [{"metrics": 1}, {"metrics": 2}]  # not metas: as is

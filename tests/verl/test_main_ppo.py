@@ -424,26 +424,50 @@ def test_grpo_split_over_groups_of_ranks_trains_as_fsdp2(out, assets):
     responses over groups of ranks (odc_split=auto) and trains as fsdp2, every step. Adam's eps at 1e-3: a
     mini-batch whose true gradient is zero (a prompt's responses all scored alike, the KL at its minimum)
     would otherwise turn the split's 1e-7 float differences into lr-sized steps (0.3-1% at step 1)."""
-    run_dir = out / "grpo-split"
-    args = ["--ranks", "4", "--steps", "3", "--compare", "fsdp2,split", "--out", str(run_dir)]
-    fit = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cost_fit", "Qwen2.5-7B-H100.json")
-    args += ["--emulate", os.path.abspath(fit), "--time-scale", "0.05"]
-    args += [
-        "actor_rollout_ref.actor.fsdp_config.odc_cost_model=tokens",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-        "actor_rollout_ref.actor.optim.override_optimizer_config={eps:1e-3}",
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *args],
-        capture_output=True,
-        text=True,
-        timeout=2 * RUN_TIMEOUT_S,
+    fsdp2, split = _grpo_split(
+        out / "grpo-split", 3, "actor_rollout_ref.actor.optim.override_optimizer_config={eps:1e-3}"
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    fsdp2, split = (read_metrics(str(run_dir / f"{name}.jsonl")) for name in ("fsdp2", "split"))
     for step in (1, 2, 3):
         assert split[step]["actor/odc/split/samples"] > 0 and split[step]["actor/odc/split/max_group"] == 4
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
             base, cand = fsdp2[step][key], split[step][key]
             assert abs(cand - base) <= 1e-3 * abs(base), f"step {step} {key}: fsdp2 {base}, split {cand}"
         assert split[step]["odc_balance/split_predicted_s"] < split[step]["odc_balance/unsplit_predicted_s"]
+
+
+def _grpo_split(run_dir, steps: int, *overrides: str) -> tuple[dict, dict]:
+    """odc-grpo-cpu --compare fsdp2,split at 4 ranks, one prompt of 4 responses a mini-batch, lengths drawn
+    long-tailed, the tokens cost: each run's metrics by step."""
+    args = ["--ranks", "4", "--steps", str(steps), "--compare", "fsdp2,split", "--out", str(run_dir)]
+    fit = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cost_fit", "Qwen2.5-7B-H100.json")
+    args += ["--emulate", os.path.abspath(fit), "--time-scale", "0.05"]
+    args += [
+        "actor_rollout_ref.actor.fsdp_config.odc_cost_model=tokens",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *args, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=2 * RUN_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tuple(read_metrics(str(run_dir / f"{name}.jsonl")) for name in ("fsdp2", "split"))
+
+
+@pytest.mark.xdist_group("main_ppo-split-passes")
+def test_grpo_split_in_every_pass_keeps_a_zero_gradient_zero(out, assets):
+    """One prompt a step, so that every pass has one response a rank: old log-probs, reference log-probs and
+    the update all split each response over the same group, so the old and reference log-probs are the
+    training forward's to the bit: the PPO ratio is exactly 1 (ppo_kl 0) and the first step's true gradient
+    (its responses scored alike, the KL at its minimum) stays exactly zero at verl's own Adam eps, as under
+    fsdp2; the passes' outputs (the old log-probs' entropy) equal fsdp2's."""
+    fsdp2, split = _grpo_split(out / "grpo-split-passes", 2, "data.train_batch_size=1")
+    for step in (1, 2):
+        for stage in ("old_log_prob", "ref_log_prob", ""):
+            assert split[step][f"odc_balance/{stage}{'/' if stage else ''}split_samples"] == 4  # every response
+        assert split[step]["actor/ppo_kl"] == 0.0
+        for key in ("actor/entropy", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
+            base, cand = fsdp2[step][key], split[step][key]
+            assert abs(cand - base) <= 1e-5 * abs(base) + 1e-7, f"step {step} {key}: fsdp2 {base}, split {cand}"
+    assert fsdp2[1]["actor/grad_norm"] == split[1]["actor/grad_norm"] == 0.0

@@ -37,11 +37,8 @@ RUNS = {
     "lockstep": ("odc", [*ODC_OPTIONS, *_every_engine("odc_balancer=lb_micro", "odc_lockstep=True")]),
     "odc_lb_micro": ("odc", [*ODC_OPTIONS, *_every_engine("odc_balancer=lb_micro")]),
     "odc": ("odc", []),
-    # odc with the longest samples of an update split over groups of ranks
-    "split": (
-        "odc",
-        [*ODC_OPTIONS, "actor_rollout_ref.actor.fsdp_config.odc_split=auto", "critic.fsdp.odc_split=auto"],
-    ),
+    # odc with the longest samples of every pass split over groups of ranks
+    "split": ("odc", [*ODC_OPTIONS, *_every_engine("odc_split=auto")]),
 }
 _ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 # Keys odc-grpo-cpu sets itself, per run or because it needs them, and what to use instead of overriding them.
