@@ -103,7 +103,8 @@ def test_odc_subclasses_extend_verl_and_change_nothing_of_it():
     training = odc_patches.odc_subclass("training_worker", TrainingWorker, "T", __name__)
     actor = odc_patches.odc_subclass("actor_worker", ActorRolloutRefWorker, "A", __name__, actor_worker_cls=training)
     assert not _same(before, _verl_state())
-    # the worker methods are verl's, registered again with the plan's dispatch in front of verl's
+    # the worker methods are verl's, registered again with the plan's dispatch in front of verl's and
+    # verl's collect behind collect_once
     for cls, method, mesh in (
         (actor, "update_actor", "actor"),
         (actor, "compute_log_prob", "actor"),
@@ -114,10 +115,9 @@ def test_odc_subclasses_extend_verl_and_change_nothing_of_it():
         dispatch = _dispatch_mode(getattr(cls, method))["dispatch_fn"]
         assert dispatch.func is lb_mini_dispatch._lb_mini_dispatch and dispatch.args[0] == mesh
         assert dispatch.args[1].func is dispatch_lazy_compute_data_proto and dispatch.args[1].args == (mesh,)
-        assert (
-            _dispatch_mode(getattr(cls, method))["collect_fn"]
-            is _dispatch_mode(getattr(cls.__base__, method))["collect_fn"]
-        )
+        collect = _dispatch_mode(getattr(cls, method))["collect_fn"]  # verl's, each split sample's outputs once
+        assert collect.func is lb_mini_dispatch._collect_once
+        assert collect.args == (_dispatch_mode(getattr(cls.__base__, method))["collect_fn"],)
     assert vars(actor)["compute_log_prob"].__wrapped__ is ActorRolloutRefWorker.compute_log_prob
     # train_mini_batch runs the plan's steps, over verl's undecorated method
     assert inspect.unwrap(training.train_mini_batch) is inspect.unwrap(TrainingWorker.train_mini_batch)
