@@ -217,8 +217,11 @@ def calibrate(
     )
 
 
-def _seconds(run: Callable[[], None], device: torch.device, repeats: int) -> float:
-    """Median seconds of `run`, after one untimed run (first launches compile kernels, allocate)."""
+def _seconds(
+    run: Callable[[], None], device: torch.device, repeats: int, align: Callable[[], None] | None = None
+) -> float:
+    """Median seconds of `run`, after one untimed run (first launches compile kernels, allocate, set up a new
+    group's communicator); `align`, untimed, before each (ranks that start together)."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -229,6 +232,8 @@ def _seconds(run: Callable[[], None], device: torch.device, repeats: int) -> flo
         # torch 2.13 names all_gather_into_tensor and reduce_scatter_tensor deprecated; torch 2.11 has no other
         warnings.simplefilter("ignore", FutureWarning)
         for i in range(repeats + 1):
+            if align is not None:
+                align()
             sync()
             start = time.perf_counter()
             run()
@@ -273,20 +278,6 @@ class AllToAllCalibration:
     def worst_bandwidth(self) -> float:
         """The slowest group size's bandwidth."""
         return min(self.bandwidth.values())
-
-    def predicted_s(self, k: int, message_bytes: float) -> float:
-        """One all-to-all of `message_bytes` a rank over k ranks, as fitted."""
-        return self.latency_s[k] + message_bytes * (k - 1) / k / self.bandwidth[k]
-
-    def summary(self) -> str:
-        """One line: per k, the fitted latency and bandwidth."""
-        per_k = ", ".join(
-            f"k={k} {self.latency_s[k] * 1e6:.1f} us + {self.bandwidth[k] / 1e9:.2f} GB/s" for k in self.group_sizes
-        )
-        return (
-            f"{self.backend}'s all-to-all on {self.world_size} ranks: {per_k} (slowest rank, median of {self.repeats}, "
-            f"messages of {', '.join(f'{b / 2**20:.2f}' for b in self.message_bytes)} MiB a rank)"
-        )
 
 
 def fit_all_to_all(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -345,11 +336,9 @@ def calibrate_all_to_all(
     me = dist.get_rank()
     flag = torch.zeros(1, device=device)
 
-    def sync() -> None:
+    def align() -> None:
         # every block starts together, as a plan's split samples run: one small all-reduce over the group
         dist.all_reduce(flag, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     medians = []
     for k in sizes:
@@ -362,17 +351,12 @@ def calibrate_all_to_all(
         for nbytes in messages:
             send = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
             recv = torch.empty_like(send)
-            times = []
-            for i in range(repeats + 1):  # the first untimed: it sets up a new group's communicator
-                sync()
-                start = time.perf_counter()
+
+            def all_to_alls(recv=recv, send=send, block=block) -> None:
                 for _ in range(iters):
                     dist.all_to_all_single(recv, send, group=block)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i:
-                    times.append((time.perf_counter() - start) / iters)
-            medians.append(statistics.median(times))
+
+            medians.append(_seconds(all_to_alls, device, repeats, align) / iters)
         # done with (a failure leaves them to the job's end: destroying a group a peer died in may wait on it)
         for g in made:
             dist.destroy_process_group(g)

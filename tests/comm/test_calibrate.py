@@ -78,8 +78,5 @@ def test_the_all_to_all_over_blocks_of_2_and_all_4_ranks_is_positive_and_the_sam
     for k in (2, 4):
         assert len(first.seconds[k]) == 3 and all(t > 0 for t in first.seconds[k])
         assert first.latency_s[k] >= MIN_LATENCY_S and first.bandwidth[k] > 0
-        assert first.predicted_s(k, 2**18) > first.latency_s[k]
     assert first.worst_latency_s == max(first.latency_s.values())
     assert first.worst_bandwidth == min(first.bandwidth.values())
-    line = first.summary()
-    assert line.startswith("gloo's all-to-all on 4 ranks: k=2 ") and "k=4 " in line and "\n" not in line
