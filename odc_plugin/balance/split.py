@@ -65,7 +65,9 @@ class UlyssesModel:
         cls, model, gpus_per_node: int = 8, bandwidth: float | None = None, latency_s: float | None = None
     ) -> UlyssesModel:
         """For a preset or a model's config (as odc_plugin.balance.costs.model_config takes them). Groups stay
-        inside a node: across the network the all-to-alls would cost about what the split saves. Where verl
+        inside a node: across the network the all-to-alls would cost about what the split saves. So a group
+        size divides the node's GPUs too (ranks fill nodes in order, so an aligned block of such a size never
+        spans two: with 6 a node, blocks of 4 would). Where verl
         repeats kv heads (fewer than k) the repeated copies are not counted. `bandwidth` (bytes/s per GPU and
         direction) and `latency_s` (seconds per all-to-all) as measured; None: the modelled NVLINK_BW and
         A2A_LATENCY_S."""
@@ -73,7 +75,7 @@ class UlyssesModel:
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         # Forward: q, k and v into the head layout and attention's output back, bf16; backward: their gradients.
         return cls(
-            max_group=heads_limit(c.num_attention_heads, c.num_key_value_heads, gpus_per_node),
+            max_group=heads_limit(c.num_attention_heads, c.num_key_value_heads, gpus_per_node & -gpus_per_node),
             bytes_per_token=c.num_hidden_layers * 2 * 2 * (2 * q + 2 * kv),
             all_to_alls=c.num_hidden_layers * 2 * 4,
             bandwidth=NVLINK_BW if bandwidth is None else bandwidth,

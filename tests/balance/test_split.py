@@ -51,6 +51,25 @@ def test_heads_limit_and_the_all_to_all_model():
     assert measured.seconds(32768, 4) == pytest.approx(2 * ulysses.seconds(32768, 4))
 
 
+@pytest.mark.parametrize("nodes, gpus_per_node", [(2, 6), (3, 4), (2, 8)])
+def test_split_groups_never_span_two_nodes(nodes, gpus_per_node):
+    """A model of 32 heads allows groups of 8; with 6 GPUs a node the aligned block of ranks 4-7 would span
+    nodes 0 and 1, so groups there are of at most 2. One long sample a rank: the plan splits."""
+    dp_size = nodes * gpus_per_node
+    ulysses = UlyssesModel.from_config("Qwen3-8B", gpus_per_node)
+    assert gpus_per_node % ulysses.max_group == 0
+    cost = get_cost_model("flops", model="Qwen3-8B")
+    splits = [
+        s
+        for seed in range(4)
+        for s in lb_mini_split(
+            sft_long_context_like(dp_size, seed=seed).total, dp_size, 65536, cost, ulysses=ulysses, throughput=4e14
+        ).splits
+    ]
+    assert splits and max(s.k for s in splits) == ulysses.max_group
+    assert all(s.first // gpus_per_node == (s.first + s.k - 1) // gpus_per_node for s in splits), splits
+
+
 def test_lb_mini_balances_what_ranks_have_left():
     """rank_start: a rank busy for most of the mini-batch already gets only what fits beside it."""
     start = [0, 0, 0, 150]
