@@ -19,6 +19,14 @@ here (fsdp2 against odc in one run: the KL loss of step 2; 7e-5 on an earlier as
 learning rate 1% higher moves the KL loss of steps 2 and 3 by 2% and 6% (and the gradient norm of step 3
 by 4%), which RTOL = 1e-3 catches with room on both sides.
 
+A stored run holds only where rounding does not decide a metric: another CPU rounds float32 sums its own way,
+and a metric near zero (GMPO's policy loss once its ratios are 1) or one that a ranking picks (KL-Cov's
+penalized tokens) moves by far more than RTOL there. So making a file also makes fsdp2's run again under
+another of torch's CPU kernel sets (ATEN_CPU_CAPABILITY: avx2 on an AVX-512 CPU, else the scalar one), which
+rounds as another CPU would, and stores per step how far each metric moved (`rounding`). A metric that moved
+by more than a third of its tolerance is decided by rounding (`rounding_decided`): it is not compared with
+the file, and a test that needs it compares odc with fsdp2 run on the same machine in the same test.
+
 Each file also holds a fingerprint of the tiny model the run starts from, the one shipped in the package
 (`assets.SHIPPED`, the same on every machine; tests/verl/test_assets.py checks the two agree). A mismatch
 is reported first, naming the cache; so are the versions of the libraries that compute the run, when
@@ -38,6 +46,7 @@ from pathlib import Path
 from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu.assets import ensure_assets, model_fingerprint
 from odc_plugin.verl.cpu.grpo import RUNS
+from odc_plugin.verl.cpu.grpo_config import odc_option
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
@@ -81,6 +90,10 @@ RTOL = 1e-3
 # metric within 1e-4); a learning rate 1% higher still moves it by 2-6%.
 RTOL_BY_KEY = {"actor/kl_loss": 5e-3}
 LIBRARIES = ("torch", "transformers", "tokenizers", "verl")
+# A metric that another kernel set moves by more than its tolerance / ROUNDING_MARGIN is decided by rounding:
+# an Intel Xeon with AMX moved KL-Cov's step-1 gradient norm 1.5 times as far from this file's AMD EPYC run as
+# AVX2 kernels on that EPYC did.
+ROUNDING_MARGIN = 3
 
 
 def golden_metrics(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -98,12 +111,16 @@ def rtol(key: str) -> float:
 
 def stored_run(config: str, strategy: str) -> dict[int, dict]:
     """The golden file's metrics of `strategy`'s run of `config`, by step, as read_metrics gives a run's."""
-    stored = json.loads(golden_file(config).read_text())["metrics"][strategy]
-    return {int(step): metrics for step, metrics in stored.items()}
+    return {int(step): metrics for step, metrics in stored(config)["metrics"][strategy].items()}
 
 
-def differences(got: dict, want: dict) -> list[str]:
-    """What differs between two golden_metrics, one line each; empty when they agree."""
+def relative_difference(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def differences(got: dict, want: dict, decided: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
+    """What differs between two golden_metrics, one line each; empty when they agree. The (step, metric)
+    pairs of `decided` are left out: rounding decides them (rounding_decided)."""
     lines = []
     for strategy in sorted(set(got) | set(want)):
         steps_got, steps_want = got.get(strategy, {}), want.get(strategy, {})
@@ -112,6 +129,8 @@ def differences(got: dict, want: dict) -> list[str]:
         for step in sorted(set(steps_got) & set(steps_want)):
             a, b = steps_got[step], steps_want[step]
             for key in sorted(set(a) | set(b)):
+                if (step, key) in decided:
+                    continue
                 if key not in a or key not in b:
                     lines.append(
                         f"{strategy} step {step} {key}: {a.get(key, 'missing')} vs golden {b.get(key, 'missing')}"
@@ -134,13 +153,56 @@ def golden_file(config: str) -> Path:
     return GOLDEN_DIR / f"{config}.json"
 
 
+def stored(config: str) -> dict:
+    return json.loads(golden_file(config).read_text())
+
+
+def rounding_decided(rounding: dict) -> frozenset[tuple[str, str]]:
+    """The (step, metric) pairs that another CPU may make differently beyond their tolerance, as a golden
+    file's `rounding` measured them."""
+    return frozenset(
+        (step, key)
+        for step, metrics in rounding["moved"].items()
+        for key, difference in metrics.items()
+        if difference * ROUNDING_MARGIN > (0.0 if key in EXACT else rtol(key))
+    )
+
+
+def other_kernels() -> str:
+    """The kernel set (ATEN_CPU_CAPABILITY) that stands in for another CPU: one this CPU runs, other than the
+    one torch picks."""
+    import torch
+
+    return "avx2" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "default"
+
+
+def measure_rounding(args: list[str], runs: dict[str, dict[int, dict]], out_dir: str) -> dict | None:
+    """fsdp2's run of `args` made again under other_kernels(): how far each of its metrics moved from `runs`'
+    fsdp2, relatively, by step; None if that run failed."""
+    import torch
+
+    other = other_kernels()
+    # the last --compare is the one odc-grpo-cpu takes
+    fsdp2_only = [*(a for a in args if not odc_option(a)), "--compare", "fsdp2"]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": other}
+    command = [sys.executable, "-m", "odc_plugin.verl.cpu.grpo", *fsdp2_only, "--out", out_dir]
+    if subprocess.run(command, env=env).returncode:
+        return None
+    here, there = golden_metrics({"here": runs["fsdp2"], "there": read_run(out_dir)["fsdp2"]}).values()
+    moved = {
+        step: {key: relative_difference(value, there[step][key]) for key, value in metrics.items()}
+        for step, metrics in here.items()
+    }
+    return {"kernels": torch.backends.cpu.get_cpu_capability().lower(), "against": other, "moved": moved}
+
+
 def compare(
     runs: dict[str, dict[int, dict]], config: str = "grpo_cpu", against: str | None = None, steps: int | None = None
 ) -> list[str]:
     """What differs between a finished run of `config` and its golden file, one line each; empty when they
     agree. With `against` (a strategy), every run is compared with the golden file's run of that strategy;
     with `steps`, runs of that many steps with the file's first ones."""
-    golden = json.loads(golden_file(config).read_text())
+    golden = stored(config)
     if against is not None:
         golden["metrics"] = {name: golden["metrics"][against] for name in runs}
     if steps is not None:
@@ -154,7 +216,7 @@ def compare(
             f"the run's model ({model_dir}, model {fingerprint}) is not the one the golden metrics start from"
             f" (model {golden.get('assets')}); if the shipped model was refreshed on purpose, refresh the golden files"
         )
-    metrics = differences(golden_metrics(runs), golden["metrics"])
+    metrics = differences(golden_metrics(runs), golden["metrics"], rounding_decided(golden["rounding"]))
     made_with, have = golden.get("versions", {}), library_versions()
     if metrics and made_with != have:  # a hint where the metrics moved, not a failure of its own
         changed = ", ".join(f"{k} {made_with.get(k)} -> {have[k]}" for k in LIBRARIES if made_with.get(k) != have[k])
@@ -187,8 +249,17 @@ def refresh(config: str, out_dir: str) -> int:
     if proc.returncode:
         print(f"the run failed (exit {proc.returncode}); {path} left as it was")
         return proc.returncode
-    new = golden_metrics(read_run(out_dir))
+    runs = read_run(out_dir)
+    new = golden_metrics(runs)
     lines = differences(new, old)
+    if (rounding := measure_rounding(args, runs, os.path.join(out_dir, "other_kernels"))) is None:
+        print(f"fsdp2's run under ATEN_CPU_CAPABILITY={other_kernels()} failed; {path} left as it was")
+        return 1
+    decided = sorted(rounding_decided(rounding))
+    print(f"decided by rounding (not compared with the file): {decided or 'nothing'}")
+    if rollouts := [(step, key) for step, key in decided if key in EXACT]:
+        print(f"another CPU samples other responses ({rollouts}); {path} left as it was: choose other settings")
+        return 1
     path.parent.mkdir(exist_ok=True)
     path.write_text(
         json.dumps(
@@ -197,6 +268,7 @@ def refresh(config: str, out_dir: str) -> int:
                 "assets": model_fingerprint(ensure_assets(log=lambda _: None).model_dir),
                 "versions": library_versions(),
                 "rtol": RTOL,
+                "rounding": rounding,
                 "metrics": new,
             },
             indent=1,

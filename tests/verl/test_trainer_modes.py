@@ -26,7 +26,8 @@ from odc_plugin.verl.cpu import grpo
 from odc_plugin.verl.cpu.assets import ensure_assets
 from odc_plugin.verl.trainer import LEGACY_REFUSAL
 from tests.verl import golden
-from tests.verl.trainer_runs import close, relative_difference, train, worst_difference
+from tests.verl.golden import relative_difference
+from tests.verl.trainer_runs import close, train, worst_difference
 
 STEPS = 2
 COLOCATE_ASYNC = [

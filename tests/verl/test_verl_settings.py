@@ -4,7 +4,9 @@ each trained by verl's real trainer (`main_ppo`, 2 CPU ranks, 2 steps) under odc
 with the same trainer's fsdp2 run from the same weights, on the same rollouts: the same rewards and lengths,
 and the actor's (and critic's) gradient norm, policy loss, entropy, KL loss and value loss to the golden
 metrics' tolerance. Each row is a golden configuration (tests/verl/golden.py): its fsdp2 run is the one its
-golden file holds (`python -m tests.verl.golden --config NAME` makes it again), so a row runs odc alone.
+golden file holds (`python -m tests.verl.golden --config NAME` makes it again), so a row runs odc alone, but a
+row whose file says rounding decides some of its metrics (GMPO's policy loss near zero, KL-Cov's ranking of
+tokens), which another CPU makes otherwise: it runs fsdp2 too, on this machine, and compares odc with that.
 A setting odc cannot train as fsdp2 does is refused by odc at start with a one-line error instead (the loss
 probe's, odc_plugin/verl/loss_probe.py), and that is a row here too: the line of the check the trainer runs
 at start, on the run's own configuration, and one such row run through the trainer.
@@ -200,6 +202,18 @@ def golden_configs() -> dict[str, list[str]]:
     }
 
 
+def same_training(setting: Setting, runs: dict[str, dict[int, dict]]) -> tuple[float, str]:
+    """Asserts that the row's odc run trains as fsdp2 does: every run of `runs` (odc's, and fsdp2's where the
+    row's metrics are decided by rounding) as the golden file's fsdp2 run, but what rounding decides; odc's
+    step by step as fsdp2's, that run's or the file's, to the golden tolerance. Returns the worst relative
+    difference of odc from fsdp2 and where."""
+    lines = golden.compare(runs, setting.golden, against="fsdp2")
+    assert not lines, "\n".join([*lines, f"if the change is meant to move them: {REFRESH}{setting.golden}"])
+    fsdp2 = runs.get("fsdp2") or golden.stored_run(setting.golden, "fsdp2")
+    odc = runs[setting.odc_run]
+    return worst_difference(fsdp2, odc, len(fsdp2), COMPARED, ("actor/grad_norm",), rtol=golden.rtol)
+
+
 def _refusal(assets, out, overrides) -> str:
     """The line odc refuses a run of `overrides` with: the loss probe's, on the run's own configuration,
     through the entry the trainer calls at start (odc_plugin.verl.loss_check.check_losses)."""
@@ -240,14 +254,17 @@ def test_setting_trains_as_under_fsdp2_or_is_refused(setting, assets, tmp_path_f
     if setting.refused:
         table.append(f"| {setting.name} | | `{_refusal(assets, out, setting.overrides)}` |")
         return
-    reference = golden.stored_run(setting.golden, "fsdp2")
-    steps = len(reference)
+    steps = len(golden.stored_run(setting.golden, "fsdp2"))
     run = train(out, assets, setting.odc_run, setting.odc_run, steps, setting.overrides, slow_ranks=setting.slow_ranks)
     run.assert_ok(steps)
     odc = run.metrics
-    lines = golden.compare({setting.odc_run: odc}, setting.golden, against="fsdp2")
-    assert not lines, "\n".join([*lines, f"if the change is meant to move them: {REFRESH}{setting.golden}"])
-    worst, where = worst_difference(reference, odc, steps, COMPARED, ("actor/grad_norm",), rtol=golden.rtol)
+    runs = {setting.odc_run: odc}
+    if golden.rounding_decided(golden.stored(setting.golden)["rounding"]):
+        # what rounding decides, another CPU's stored fsdp2 run cannot: this machine's, the same settings
+        fsdp2 = train(out, assets, "fsdp2", "fsdp2", steps, setting.overrides, slow_ranks=setting.slow_ranks)
+        fsdp2.assert_ok(steps)
+        runs["fsdp2"] = fsdp2.metrics
+    worst, where = same_training(setting, runs)
     if setting.uneven:
         uneven = [s for s, m in odc.items() if m["odc_balance/samples_min"] < m["odc_balance/samples_max"]]
         assert uneven, {s: (m["odc_balance/samples_min"], m["odc_balance/samples_max"]) for s, m in odc.items()}
@@ -265,6 +282,48 @@ def test_the_trainer_refuses_a_refused_setting_at_start_with_that_line(assets, t
     message = _refusal(assets, out, setting.overrides)
     run = train(out, assets, "odc", "odc", 1, setting.overrides)
     run.assert_refused_at_start(message)
+
+
+# fsdp2's metrics that an Intel Xeon with AMX made otherwise than the golden files' CPU: KL-Cov's step 1, and
+# GMPO's step 2 (its odc_lb_micro run's there, whose micro-batches are fsdp2's: the same run to the bit)
+ANOTHER_CPU = {
+    "settings_kl_cov": {"1": {"actor/grad_norm": 1.7454121112823486, "actor/pg_loss": -0.00345393834868446}},
+    "settings_gmpo_lb_micro": {"2": {"actor/pg_loss": 2.76e-05}},
+}
+
+
+@pytest.mark.parametrize("config", ANOTHER_CPU)
+def test_a_row_passes_against_another_cpus_file_and_fails_when_odc_trains_otherwise(config, tmp_path, monkeypatch):
+    """The row's check, on the golden file's own runs (fsdp2 and odc as this machine made them), against that
+    file with its fsdp2 metrics replaced by another CPU's: it passes, where a comparison with the file alone
+    fails; and an odc run 1% off fsdp2's in any compared metric fails it."""
+    (setting,) = [s for s in SETTINGS if s.golden == config]
+    here = {run: golden.stored_run(config, run) for run in ("fsdp2", setting.odc_run)}
+    elsewhere = golden.stored(config)
+    for step, metrics in ANOTHER_CPU[config].items():
+        elsewhere["metrics"]["fsdp2"][step].update(metrics)
+    (tmp_path / f"{config}.json").write_text(json.dumps(elsewhere))
+    monkeypatch.setattr(golden, "GOLDEN_DIR", tmp_path)
+    odc_alone = golden.golden_metrics({setting.odc_run: here[setting.odc_run]})
+    assert golden.differences(odc_alone, {setting.odc_run: elsewhere["metrics"]["fsdp2"]})
+    same_training(setting, here)
+    for step, metrics in here[setting.odc_run].items():
+        for key in set(COMPARED) & set(metrics):
+            changed = {**here, setting.odc_run: {**here[setting.odc_run], step: {**metrics, key: metrics[key] * 1.01}}}
+            with pytest.raises(AssertionError):
+                same_training(setting, changed)
+
+
+def test_every_golden_file_says_what_rounding_decides():
+    """Each file measured, for each of its fsdp2 run's metrics, how far another kernel set moves it (golden.py's
+    `rounding`); a file without it would be compared across CPUs on metrics that rounding decides."""
+    for name in golden.configs():
+        file = golden.stored(name)
+        moved = file["rounding"]["moved"]
+        assert {step: set(m) for step, m in moved.items()} == {
+            step: set(m) for step, m in file["metrics"]["fsdp2"].items()
+        }, name
+        assert file["rounding"]["against"] != file["rounding"]["kernels"], name
 
 
 def test_every_row_that_trains_has_the_golden_file_of_its_configuration():

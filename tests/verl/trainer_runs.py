@@ -10,6 +10,7 @@ import re
 from odc_plugin.verl.ab_report import read_metrics
 from odc_plugin.verl.cpu import grpo, runner
 from tests.verl import golden
+from tests.verl.golden import relative_difference
 
 RANKS = 2
 RUN_TIMEOUT_S = 900
@@ -81,10 +82,6 @@ def ray_session(log_file) -> str | None:
 
 def close(a: float, b: float, rtol: float) -> bool:
     return abs(a - b) <= rtol * max(abs(a), abs(b))
-
-
-def relative_difference(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
 def worst_difference(
