@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,11 @@ def active_split() -> SplitMember | None:
 
 class SequenceGroups:
     """Every aligned block of k consecutive ranks, k = 2, 4, ... up to `max_group` (a power of two dividing
-    the world size), each with its process group. Collective: every rank builds it, in the same order."""
+    the world size), each with its process group. Collective: every rank builds it, in the same order.
+    `timeout_s` bounds each of the groups' collectives: a member that raised inside a split micro-batch leaves
+    the others waiting in the next exchange until then (None: the default group's timeout)."""
 
-    def __init__(self, max_group: int):
+    def __init__(self, max_group: int, timeout_s: float | None = None):
         world, rank = dist.get_world_size(), dist.get_rank()
         if max_group < 1 or max_group & (max_group - 1) or world % max_group:
             raise ValueError(
@@ -65,16 +68,23 @@ class SequenceGroups:
             )
         self.rank = rank
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         k = 2
         while k <= max_group:
             for start in range(0, world, k):
                 ranks = tuple(range(start, start + k))
-                self._groups[ranks] = dist.new_group(list(ranks))  # every rank creates every group
+                self._groups[ranks] = dist.new_group(list(ranks), timeout=timeout)  # every rank creates every group
             k *= 2
 
     @property
     def blocks(self) -> list[tuple[int, ...]]:
         return list(self._groups)
+
+    def close(self) -> None:
+        """Destroy the groups (a group whose exchange failed may hold a peer's unread messages)."""
+        for group in self._groups.values():
+            dist.destroy_process_group(group)
+        self._groups.clear()
 
     @contextlib.contextmanager
     def split(self, ranks: Sequence[int]) -> Iterator[SplitMember]:

@@ -124,6 +124,12 @@ class StepPlan:
         mine = [s for s in self.splits[step] if rank in s.group] if self.splits else []
         return [s.sample for s in mine] + list(self.steps[step][rank]), [list(s.group) for s in mine]
 
+    def rank_items(self, step: int, rank: int, values: Sequence[float]) -> list[float]:
+        """`values` (by batch position) of what `rank` runs in `step`: a k-th of each split sample's of its
+        groups, then its own samples'."""
+        pieces = [values[s.sample] / s.k for s in (self.splits[step] if self.splits else ()) if rank in s.group]
+        return pieces + [values[p] for p in self.steps[step][rank]]
+
     def rank_positions(self, rank: int) -> list[int]:
         """The batch positions rank `rank` needs, each once, in the order it first runs them."""
         return list(dict.fromkeys(p for s in range(self.num_steps) for p in self.split_share(s, rank)[0]))
@@ -271,13 +277,9 @@ def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, 
     """
     costs = get_cost_model(cost).costs([int(s) for s in seqlens])
 
-    def rank_items(step: int, rank: int, values) -> list[float]:
-        pieces = [values[s.sample] / s.k for s in (plan.splits[step] if plan.splits else ()) if rank in s.group]
-        return pieces + [values[p] for p in plan.steps[step][rank]]
-
     steps = range(plan.num_steps)
-    tokens = [sum(sum(rank_items(s, r, seqlens)) for s in steps) for r in range(plan.dp_size)]
-    efficiency = [balance_efficiency([rank_items(s, r, costs) for r in range(plan.dp_size)]) for s in steps]
+    tokens = [sum(sum(plan.rank_items(s, r, seqlens)) for s in steps) for r in range(plan.dp_size)]
+    efficiency = [balance_efficiency([plan.rank_items(s, r, costs) for r in range(plan.dp_size)]) for s in steps]
     counts = [len(share) for step in plan.steps for share in step]
     micro = [m for step in plan.micro_batches for m in step]
     split = {}

@@ -62,6 +62,7 @@ from verl.utils.device import get_device_id
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+from verl.workers.utils.losses import sft_loss
 
 import odc_patches
 
@@ -150,6 +151,9 @@ class _ODCEngineMixin:
 
     def initialize(self):
         super().initialize()
+        if self.odc_split is not None:
+            with self.eval_mode():
+                self.odc_split.check(self)
         self._odc_release()  # nothing held until the engine first computes: the rollout starts after this
         self.odc_calibration = None if self.engine_config.forward_only else self._odc_calibrate()
 
@@ -213,6 +217,10 @@ class _ODCEngineMixin:
         self._odc_held_outside = self.odc.transport.held_bytes()
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        with self.odc_split.renewed() if self.odc_split is not None else contextlib.nullcontext():
+            return self._odc_forward_backward_batch(data, loss_function, forward_only)
+
+    def _odc_forward_backward_batch(self, data, loss_function, forward_only):
         # collective, before anything of the pass that may fail on one rank alone; the accumulator only for a
         # pass that trains (a trained model's log-probs hold the published copy alone)
         self.odc.build(backward=not forward_only)
@@ -221,7 +229,7 @@ class _ODCEngineMixin:
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
         groups = SplitMicroBatches.take(data)  # the groups of its leading split samples (odc_split)
-        batch_num_tokens = self._batch_num_tokens(data, groups)
+        batch_num_tokens = self._batch_num_tokens(data, groups, loss_function)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens, dp_size=self.get_data_parallel_size())
 
         # a rank whose packing raises (a bad batch) fails the mini-batch its peers begin (OnDemandComm.abort)
@@ -251,7 +259,7 @@ class _ODCEngineMixin:
                 ):
                     loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
                     if split:
-                        loss = SplitMicroBatches.count_once(loss, meta, len(split))
+                        loss = SplitMicroBatches.count_once(loss, meta, split)
                     if not forward_only:
                         (scaler.scale(loss) if scaler is not None else loss).backward()
                         if not return_model_output:
@@ -285,7 +293,7 @@ class _ODCEngineMixin:
             metrics.update(self._routing_metrics())
         return output
 
-    def _batch_num_tokens(self, data, groups: list[list[int]]):
+    def _batch_num_tokens(self, data, groups: list[list[int]], loss_function):
         """The one collective of a mini-batch, before it starts: the loss divides by the token count of the
         whole mini-batch, so the update does not depend on how samples are spread over ranks; a split sample
         counts once (`groups`: those of the leading split samples). A rank whose
@@ -295,6 +303,7 @@ class _ODCEngineMixin:
         try:
             if groups and self.odc_split is None:
                 raise ValueError("odc: the plan split samples over groups of ranks, but this engine has odc_split=off")
+            _refuse_a_loss_across_samples(data, loss_function, as_odc_config(self.engine_config).odc_balancer)
             mine = data["loss_mask"].sum() - SplitMicroBatches.others_tokens(data, groups)
             both = torch.stack([mine.to(torch.float64), torch.zeros((), dtype=torch.float64, device=mine.device)])
         except Exception as e:  # noqa: BLE001  (announced to every rank below)
@@ -357,7 +366,9 @@ class _ODCEngineMixin:
         every: list = [None] * self.get_data_parallel_size()
         dist.all_gather_object(every, means, group=self.get_data_parallel_group())
         for key, value in metrics.items():
-            if not isinstance(value, Metric) or not value.values:
+            # a rank whose micro-batches were all split samples it does not count (count_once) has no values
+            # of a mean, and still takes the mean of the others'
+            if not isinstance(value, Metric) or not (value.values or key in means):
                 continue
             folded = value.init_list()
             if key in means:
@@ -472,8 +483,27 @@ class _ODCEngineMixin:
         values = {key: value.item() for key, value in values.items()}
         if self.odc_calibration is not None:  # alike on every rank and mini-batch: their mean is themselves
             values.update(self.odc_calibration.metrics())
+        if self.odc_split is not None:  # so is the split's start-up check
+            values.update(self.odc_split.checked)
         # lists, like the loss function's own per-micro-batch metrics, which verl's worker flattens
         return {key: [value] for key, value in values.items()}
+
+
+def _refuse_a_loss_across_samples(data, loss_function, balancer: str) -> None:
+    """verl's SFT loss shifts the loss mask over a packed micro-batch as a whole, so where a sample's first token
+    carries loss, the packed sample before it (or the micro-batch's last, for its first) is trained to predict
+    that token: its gradient depends on which samples are packed together, and LB-Mini packs others than
+    fsdp2. verl's multi-turn SFT data leave a conversation's first token out of the loss."""
+    if balancer != "lb_mini" or getattr(loss_function, "func", None) is not sft_loss:
+        return
+    mask = data["loss_mask"]
+    firsts = mask.values()[mask.offsets()[:-1]] if mask.is_nested else mask[:, 0]
+    if firsts.any():
+        raise ValueError(
+            f"odc: {int(firsts.count_nonzero())} samples' first token carries loss, which verl's sft_loss trains "
+            "the sample packed before it to predict, so the gradient depends on which samples LB-Mini packs "
+            "together; leave each sample's first token out of loss_mask, or set odc_balancer=lb_micro"
+        )
 
 
 class _MicroBatchClock:

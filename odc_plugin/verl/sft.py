@@ -136,7 +136,7 @@ class _ODCSFT:
         metrics = plan_metrics(plan, global_lengths, fit or self._lb_mini.cost, "odc_balance")
         if fit is not None:
             slowest = min(range(plan.dp_size), key=lambda r: fit.speeds[r])
-            tokens = [sum(global_lengths[p] for p in share) for share in plan.steps[0]]
+            tokens = [sum(plan.rank_items(0, r, global_lengths)) for r in range(plan.dp_size)]
             metrics["odc_balance/fit_error"] = fit.error
             metrics["odc_balance/rank_speed_min"] = fit.speeds[slowest]
             # below 1: the rank the fit finds slowest trains fewer tokens than the mean

@@ -18,15 +18,24 @@ its group's first member only.
 The groups are `SequenceGroups` (odc_plugin.fsdp.ulysses), every aligned block of ranks, built once with
 the engine; the planner (odc_plugin.balance.split) picks one per split sample, and the trainer puts the
 split samples first in each member's data, their groups under `SPLIT_KEY`.
+
+verl exchanges a group's tokens in its flash-attention patch only (and odc's CPU patch in SDPA): under any
+other attention kernel, or in a layer that mixes tokens outside attention (linear attention, convolutions,
+state-space layers), each member would see its own slice alone, and nothing would fail. So instead of a list
+of kernels and layers, `check` runs the model at start on a sequence whole and split over the smallest group,
+through the engine's own pass, and refuses the split unless both compute the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 
+import torch
 import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
 from verl.utils.metric import AggregationType, Metric
 
 from ..balance.split import UlyssesModel
@@ -36,6 +45,15 @@ from .dispatch import SPLIT_STEPS_KEY
 
 # non-tensor entry of a rank's data: the ranks of the group of each of its leading (split) samples
 SPLIT_KEY = "odc_split_ranks"
+# The start-up check's sequence: not a multiple of any group size, so that verl pads the slices. Split, its
+# outputs may differ from its outputs whole by at most ROUNDING times what rounding alone moves them (the
+# sequence whole again, packed before another one: other kernel shapes), or CONTEXT times what its first slice
+# moves them (the same sequence with that slice's tokens drawn again), whichever is more. A member that does not
+# see the others' slices moves them by about all of the latter; a convolution that does not reach over a slice
+# boundary, by 1e-3 of it in a tiny model.
+CHECK_LENGTH = 45
+ROUNDING = 10.0
+CONTEXT = 1e-4
 
 
 def split_model(hf_config, world_size: int, odc_config) -> UlyssesModel:
@@ -62,8 +80,72 @@ class SplitMicroBatches:
         self.model = split_model(
             engine.model_config.hf_config, dist.get_world_size(), as_odc_config(engine.engine_config)
         )
-        largest = self.model.group_sizes(dist.get_world_size())[-1]
-        self.groups = SequenceGroups(largest) if largest > 1 else None
+        sizes = self.model.group_sizes(dist.get_world_size())
+        # A member that raises inside a split micro-batch leaves the others in its group's next exchange: they
+        # leave it within half the barrier timeout, inside the time the ranks' recovery meeting waits for them.
+        self._timeout_s = as_odc_config(engine.engine_config).odc_barrier_timeout_s / 2
+        self.groups = SequenceGroups(sizes[-1], self._timeout_s) if sizes[-1] > 1 else None
+        self.smallest = sizes[1] if len(sizes) > 1 else None
+        self._stale = False  # a pass failed: its groups may hold a member's unread messages
+        self.checked: dict[str, float] = {}  # the start-up check's figures, as metrics
+
+    def check(self, engine) -> None:
+        """Refuses, on every rank alike and in one line, a model whose outputs a split changes (the module's
+        docstring says why). A collective of every rank of the engine, in its eval mode."""
+        if self.smallest is None:
+            return
+        start = time.perf_counter()
+        k, rank = self.smallest, dist.get_rank()
+        g = torch.Generator().manual_seed(0)
+        vocab = engine.model_config.hf_config.get_text_config().vocab_size
+        sequence = torch.randint(vocab, (CHECK_LENGTH,), generator=g)
+        first = -(-CHECK_LENGTH // k)  # the first member's slice
+        other = torch.cat([torch.randint(vocab, (first,), generator=g), sequence[first:]])
+        after = torch.randint(vocab, (CHECK_LENGTH // 3,), generator=g)
+        # split; then in pairs, the sequence first (causal layers keep what follows out of it): whole, moved |
+        # packed, after
+        rows = [sequence, sequence, other, sequence, after]
+        fields = {"input_ids": rows, "position_ids": [torch.arange(len(r)) for r in rows]}
+        fields.update(attention_mask=[torch.ones_like(r) for r in rows], loss_mask=[torch.ones_like(r) for r in rows])
+        data = tu.get_tensordict(
+            {key: torch.nested.as_nested_tensor(column, layout=torch.jagged) for key, column in fields.items()},
+            {"temperature": 1.0, "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
+        )
+        block = list(range(rank - rank % k, rank - rank % k + k))
+        self.give(data, [block])  # the first copy split over this rank's block, the others whole
+        outputs = engine.forward_backward_batch(data, loss_function=None, forward_only=True)["model_output"]
+        split, whole, moved, packed, _ = (t.float().flatten() for t in next(iter(outputs.values())).unbind())
+        # the last position's output is verl's roll around the micro-batch; before `first` the moved one saw other
+        # tokens
+        figures = [(split - whole)[:-1], (packed - whole)[:-1], (moved - whole)[first:-1]]
+        figures = torch.stack([f.abs().max() for f in figures] + [torch.tensor(time.perf_counter() - start)])
+        dist.all_reduce(figures := figures.to(get_device_id()), op=dist.ReduceOp.MAX)  # every rank decides alike
+        difference, rounding, context, seconds = figures.tolist()
+        self.checked = {"odc/split/check_s": seconds, "odc/split/check_difference": difference / max(context, 1e-30)}
+        if not difference <= max(ROUNDING * rounding, CONTEXT * context):
+            attention = getattr(engine.model_config.hf_config, "_attn_implementation", None)
+            raise ValueError(
+                f"odc_split=auto: this model computes a sequence split over {k} ranks otherwise than whole (outputs "
+                f"{difference:.3g} apart, where rounding moves them by {rounding:.3g} and its first tokens by "
+                f"{context:.3g}): verl exchanges the sequence between ranks only in flash attention, and this model "
+                f"runs attn_implementation={attention} or mixes tokens outside attention; use flash_attention_2, or "
+                "set odc_split=off"
+            )
+
+    @contextlib.contextmanager
+    def renewed(self):
+        """One pass of the engine, its groups made again first if the last pass failed (collective: a failed
+        pass fails on every rank, so every rank makes them again)."""
+        if self._stale and self.groups is not None:
+            largest = max(map(len, self.groups.blocks))
+            self.groups.close()
+            self.groups = SequenceGroups(largest, self._timeout_s)
+        self._stale = False
+        try:
+            yield
+        except BaseException:
+            self._stale = True
+            raise
 
     @staticmethod
     def give(data, groups: list[list[int]]) -> None:
@@ -113,15 +195,27 @@ class SplitMicroBatches:
             engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = True, member.size
             try:
                 yield member
+            except Exception as error:
+                # a member that failed first left this one in an exchange until its timeout: that failure is
+                # what ended it
+                if (first := engine.odc.transport.peer_failure()) is not None:
+                    raise first from error
+                raise
             finally:
                 set_ulysses_sequence_parallel_group(saved[0])
                 engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = saved[1:]
 
     @staticmethod
-    def count_once(loss, meta: dict, k: int):
-        """A member's part of a split sample's loss, reported loss and summed metrics: a k-th."""
+    def count_once(loss, meta: dict, group: list[int]):
+        """A member's part of a split sample's loss, reported loss and summed metrics: a k-th; its averaged
+        metrics, which every member computes alike from the gathered outputs, on the group's first member
+        alone (a mean weighs each micro-batch, and the sample is one)."""
+        k = len(group)
         meta["loss"] = meta["loss"] / k
+        later = group[0] != dist.get_rank()
         for value in (meta.get("metrics") or {}).values():
             if isinstance(value, Metric) and value.aggregation == AggregationType.SUM:
                 value.values = [v / k for v in value.values]
+            elif isinstance(value, Metric) and value.aggregation == AggregationType.MEAN and later:
+                value.values = []
         return loss / k

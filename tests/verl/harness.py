@@ -235,6 +235,7 @@ def build_engine(
     use_remove_padding: bool = True,
     enable_gradient_checkpointing: bool = False,
     seed: int = 0,
+    attn_implementation: str = ATTN_IMPL,
 ):
     """Build and initialise a verl ``TrainingWorker`` for ``model_type`` with backend ``strategy``.
 
@@ -272,7 +273,7 @@ def build_engine(
         load_tokenizer=False,
         use_remove_padding=use_remove_padding,
         enable_gradient_checkpointing=enable_gradient_checkpointing,
-        override_config={"attn_implementation": ATTN_IMPL},
+        override_config={"attn_implementation": attn_implementation},
     )
     engine_cfg = _engine_config(engine_config_cls, strategy, forward_only, engine_kwargs)
     optim_cfg = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, **(optim_kwargs or {}))

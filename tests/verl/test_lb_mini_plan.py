@@ -119,8 +119,9 @@ def test_plan_with_odc_split_splits_the_longest_sample_and_runs_it_first_on_its_
     metrics = plan_metrics(plan, lens, "tokens", "odc_balance")
     assert metrics["odc_balance/unsplit_predicted_s"] == 60  # LB-Mini alone: the 60-token sample is the step
     assert metrics["odc_balance/split_predicted_s"] < 0.5 * 60
-    # a k-th of each split sample's tokens on each member of its group
+    # a k-th of each split sample's tokens on each member of its group (SFT's slowest_rank_tokens counts them so)
     assert metrics["odc_balance/max"] == pytest.approx(metrics["odc_balance/split_predicted_s"])
+    assert sum(sum(plan.rank_items(0, rank, lens)) for rank in range(4)) == pytest.approx(sum(lens))
     # declined where nothing outweighs a rank's share: LB-Mini's plan, predicted the same both ways
     even = plan_steps([10] * 8, stock, max_token_len=64, ulysses=ulysses)
     assert even.splits == ((),) and even.predicted[0][0] == even.predicted[0][1]
