@@ -227,7 +227,15 @@ def compare(base: Run, cand: Run) -> dict:
         # The rollout is the same code under either strategy: how far its ratio is from 1 is how much of
         # any speedup above is the runs differing (order, caches, machine noise), not the strategy.
         "control_rollout": speedup(b["gen_s"], c["gen_s"], "time"),
+        # Where no phase is left alone by the strategy (verl's SFT trainers): how far apart one run's own steps
+        # are, the slowest over the fastest, in either run
+        "control_steps": max((_spread(r) for r in (base, cand)), default=None, key=lambda x: x or 0.0),
     }
+
+
+def _spread(run: Run) -> float | None:
+    times = _per_step(run, lambda m: m[STEP])
+    return max(times) / min(times) if len(times) > 1 and min(times) > 0 else None
 
 
 def _fmt(value: float | None, key: str = "") -> str:
@@ -262,11 +270,16 @@ def format_report(report: dict) -> str:
         f"speedup {c['label']} over {b['label']}: update phase "
         f"{'n/a' if up is None else f'{up:.2f}x'}, end to end {'n/a' if e2e is None else f'{e2e:.2f}x'}",
     ]
-    control = report["control_rollout"]
+    control, steps = report["control_rollout"], report["control_steps"]
     if control is not None:
         lines.append(
             f"control: the rollout, which the strategy does not touch, {control:.2f}x; a speedup no "
             f"further from 1 than this is run-to-run difference, not the strategy"
+        )
+    elif steps is not None:
+        lines.append(
+            f"control: one run's own steps differ by up to {steps:.2f}x (slowest over fastest); a speedup no further "
+            "from 1 than this is run-to-run difference, not the strategy"
         )
     return "\n".join(lines)
 

@@ -152,6 +152,10 @@ def test_medians_and_speedups(runs):
     # the rollout is the same under both strategies: its ratio is printed as the runs' own difference
     assert report["control_rollout"] == pytest.approx(1.25)
     assert "control: the rollout, which the strategy does not touch, 1.25x" in ab_report.format_report(report)
+    # a trainer without a rollout (verl's SFT trainers) has the runs' own steps as its control: fsdp2's 12 s / 10 s
+    assert report["control_steps"] == pytest.approx(1.2)
+    report["control_rollout"] = None
+    assert "control: one run's own steps differ by up to 1.20x" in ab_report.format_report(report)
     # idle fraction from the odc engines' metrics only
     assert rows["actor_idle_fraction"]["baseline"] is None
     assert rows["actor_idle_fraction"]["candidate"] == pytest.approx(0.25)

@@ -49,9 +49,31 @@ Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
 """
 
 
+# The end of an odc-sft-cpu run given a key verl's config does not have (torchrun, 2 ranks): hydra refuses it
+# with no exception line, and torchrun's ChildFailedError names nothing.
+HYDRA_REFUSED = """\
+  warnings.warn(f"megatron engine is not available: {e!r}", stacklevel=1)
+Could not override 'engine.nonexistent_key'.
+To append to your config use +engine.nonexistent_key=1
+Key 'nonexistent_key' is not in struct
+    full_key: engine.nonexistent_key
+    object_type=dict
+
+Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
+W1129 08:58:24.472000 11776 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 11780 closing
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+"""
+
+
 @pytest.mark.parametrize(
     "log,expected",
     [
+        (
+            HYDRA_REFUSED,
+            "Could not override 'engine.nonexistent_key'. To append to your config use +engine.nonexistent_key=1 "
+            "Key 'nonexistent_key' is not in struct",
+        ),
         (ENGINE_START, "ValueError: fsdp_size=3 must divide the world size 4 and be at least 2 with strategy odc"),
         (CHAINED, "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."),
         (HYDRA, "ValueError(\"odc_transport must be one of auto, shm, cuda_ipc, nvshmem, got 'tcp'\")"),

@@ -230,18 +230,28 @@ _EXCEPTION_LINE = re.compile(
 _LAUNCHER_ERROR = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 # Ray prefixes a worker's output with its name and pid: "(TaskRunner pid=123) ", "(WorkerDict pid=4, ip=...) ".
 _RAY_PREFIX = re.compile(r"^\([^()]*pid=\d+[^()]*\)\s*")
+# hydra refusing a command line prints its message and then this hint, no exception; before the message, the
+# output is a warning's source line or a log record
+_HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
+_NOT_HYDRAS = re.compile(r"^(warnings\.warn\(|[A-Z]+:|[IWEF]\d{4} )")
 
 
 def last_error(log_file: str) -> str:
     """The exception that ended a failed run, as its own line states it: the last line of the run's
     output that starts with an exception's name (warnings printed after it are passed over), with the
     note ODC puts under a rank's own exception that failed a mini-batch on every rank (which rank); else
-    the last line naming an error; else the last line."""
+    the first lines of hydra's refusal of the command line; else the last line naming an error; else the last
+    line."""
     with open(log_file, encoding="utf-8", errors="replace") as fp:
         lines = [_RAY_PREFIX.sub("", line.strip()) for line in fp if line.strip()]
     for i in reversed(range(len(lines))):
         if _EXCEPTION_LINE.match(lines[i]) and not lines[i].startswith(_LAUNCHER_ERROR):
             note = lines[i + 1] if i + 1 < len(lines) and lines[i + 1].startswith("ODC: ") else ""
             return f"{lines[i]} ({note})" if note else lines[i]
+    if (hint := next((i for i, line in enumerate(lines) if line.startswith(_HYDRA_HINT)), None)) is not None:
+        start = hint
+        while start > 0 and not _NOT_HYDRAS.match(lines[start - 1]):
+            start -= 1
+        return " ".join(lines[start:hint][:3])
     errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line) and "Warning" not in line]
     return (errors or lines or ["(no output)"])[-1]

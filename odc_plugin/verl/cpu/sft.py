@@ -290,6 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _what_decides(odc: dict, ranks: int) -> str:
+    """What a run on this machine's own compute measures, from the odc run's medians."""
+    step, compute, wait = odc["step_s"], odc["actor_odc_compute_s_mean"], odc["actor_odc_wait_s_mean"]
+    if None in (step, compute, wait):
+        return ""
+    return (
+        f"at this size: a step of {step:.3g} s, of which the {ranks} ranks compute {compute:.3g} s and wait "
+        f"{wait:.3g} s for each other (odc's medians): LB-Mini can win no more than that wait, so the steps' own "
+        "difference decides the ratio; --slow-ranks makes the work uneven, --emulate rehearses a GPU job's scale"
+    )
+
+
 def report(results: dict[str, str], args, emulation: Emulation | None, out_dir: str) -> str:
     from .. import ab_report
     from .emulation import phase_times
@@ -297,7 +309,7 @@ def report(results: dict[str, str], args, emulation: Emulation | None, out_dir: 
     runs = [ab_report.load_run(path, name, skip_first=1 if args.steps > 2 else 0) for name, path in results.items()]
     text = ab_report.format_report(ab_report.compare(runs[0], runs[-1]))
     if emulation is None:
-        return text
+        return text + "\n" + _what_decides(ab_report.summarize(runs[-1]), args.ranks)
     slowdowns = parse_slow_ranks(args.slow_ranks, args.ranks)
     slowdowns = [slowdowns.get(r, 1.0) for r in range(args.ranks)]
     # the passes record a split micro-batch's whole lengths on every member: the split run's plans are timed by
