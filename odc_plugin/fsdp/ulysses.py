@@ -80,6 +80,13 @@ class SequenceGroups:
     def blocks(self) -> list[tuple[int, ...]]:
         return list(self._groups)
 
+    def connect(self, device: torch.device | int | str) -> None:
+        """One collective in each group of this rank, in the order every rank builds them: a backend that sets
+        a group up at its first collective (NCCL) does it now, not inside a mini-batch."""
+        for ranks, group in self._groups.items():
+            if self.rank in ranks:
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+
     def close(self) -> None:
         """Destroy the groups (a group whose exchange failed may hold a peer's unread messages)."""
         for group in self._groups.values():

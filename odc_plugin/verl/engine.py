@@ -483,8 +483,8 @@ class _ODCEngineMixin:
         values = {key: value.item() for key, value in values.items()}
         if self.odc_calibration is not None:  # alike on every rank and mini-batch: their mean is themselves
             values.update(self.odc_calibration.metrics())
-        if self.odc_split is not None:  # so is the split's start-up check
-            values.update(self.odc_split.checked)
+        if self.odc_split is not None:  # so are the split's groups and its start-up check
+            values.update(self.odc_split.metrics)
         # lists, like the loss function's own per-micro-batch metrics, which verl's worker flattens
         return {key: [value] for key, value in values.items()}
 

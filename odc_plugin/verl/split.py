@@ -56,6 +56,11 @@ ROUNDING = 10.0
 CONTEXT = 1e-4
 
 
+def _free_device_bytes() -> int:
+    """Free memory of this rank's GPU; 0 on CPU, where the groups hold none of it."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+
+
 def split_model(hf_config, world_size: int, odc_config) -> UlyssesModel:
     """The groups a sample may be split over: what the model's heads allow (as verl's Ulysses checks
     them), inside one node (the ranks verl's Ray workers have on theirs, `RAY_LOCAL_WORLD_SIZE`, or
@@ -84,10 +89,20 @@ class SplitMicroBatches:
         # A member that raises inside a split micro-batch leaves the others in its group's next exchange: they
         # leave it within half the barrier timeout, inside the time the ranks' recovery meeting waits for them.
         self._timeout_s = as_odc_config(engine.engine_config).odc_barrier_timeout_s / 2
-        self.groups = SequenceGroups(sizes[-1], self._timeout_s) if sizes[-1] > 1 else None
+        self.metrics: dict[str, float] = {}  # the groups' and the start-up check's figures
+        self.groups = self._groups(sizes[-1]) if sizes[-1] > 1 else None
         self.smallest = sizes[1] if len(sizes) > 1 else None
         self._stale = False  # a pass failed: its groups may hold a member's unread messages
-        self.checked: dict[str, float] = {}  # the start-up check's figures, as metrics
+
+    def _groups(self, largest: int) -> SequenceGroups:
+        """The groups, connected now; they stay for the engine's life, through the rollout too: the device
+        memory their connections took (NCCL's communicators) is a metric, `odc/split/groups_bytes`."""
+        free = _free_device_bytes()
+        groups = SequenceGroups(largest, self._timeout_s)
+        groups.connect(get_device_id())
+        self.metrics["odc/split/groups"] = float(len(groups.blocks))
+        self.metrics["odc/split/groups_bytes"] = float(max(0, free - _free_device_bytes()))
+        return groups
 
     def check(self, engine) -> None:
         """Refuses, on every rank alike and in one line, a model whose outputs a split changes (the module's
@@ -118,10 +133,12 @@ class SplitMicroBatches:
         # the last position's output is verl's roll around the micro-batch; before `first` the moved one saw other
         # tokens
         figures = [(split - whole)[:-1], (packed - whole)[:-1], (moved - whole)[first:-1]]
-        figures = torch.stack([f.abs().max() for f in figures] + [torch.tensor(time.perf_counter() - start)])
-        dist.all_reduce(figures := figures.to(get_device_id()), op=dist.ReduceOp.MAX)  # every rank decides alike
+        figures = [f.abs().max() for f in figures] + [torch.tensor(time.perf_counter() - start)]
+        figures = torch.stack(figures).to(get_device_id())
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank decides alike
         difference, rounding, context, seconds = figures.tolist()
-        self.checked = {"odc/split/check_s": seconds, "odc/split/check_difference": difference / max(context, 1e-30)}
+        self.metrics["odc/split/check_s"] = seconds
+        self.metrics["odc/split/check_difference"] = difference / max(context, 1e-30)
         if not difference <= max(ROUNDING * rounding, CONTEXT * context):
             attention = getattr(engine.model_config.hf_config, "_attn_implementation", None)
             raise ValueError(
@@ -139,7 +156,7 @@ class SplitMicroBatches:
         if self._stale and self.groups is not None:
             largest = max(map(len, self.groups.blocks))
             self.groups.close()
-            self.groups = SequenceGroups(largest, self._timeout_s)
+            self.groups = self._groups(largest)
         self._stale = False
         try:
             yield

@@ -31,7 +31,7 @@ def _built(rank, world_size, model_dir, attention):
         )
     except ValueError as e:
         return str(e)
-    return dict(worker.engine.odc_split.checked)
+    return dict(worker.engine.odc_split.metrics)
 
 
 def _tiny_lfm2(out_dir: str) -> str:
@@ -63,6 +63,8 @@ def test_a_split_that_computes_the_whole_sample_passes_and_says_so(qwen2):
     print(f"sdpa: {checked[0]}")
     assert all(c == checked[0] for c in checked), checked
     assert checked[0]["odc/split/check_difference"] < 1e-4 and checked[0]["odc/split/check_s"] > 0
+    # 4 ranks, groups of 2 and 4: [0, 1], [2, 3], [0, 1, 2, 3]; gloo's connections hold no device memory
+    assert checked[0]["odc/split/groups"] == 3 and checked[0]["odc/split/groups_bytes"] == 0
 
 
 @pytest.mark.parametrize("model, attention", [("qwen2", "eager"), ("lfm2", "sdpa")])
