@@ -10,6 +10,7 @@ responses. A few minutes in all (each run ~1-2 minutes on 2 cores).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -407,12 +408,16 @@ def _train_and_kill_a_worker(out, assets, name: str, barrier_timeout_s: float):
 
 @pytest.mark.xdist_group("main_ppo-killed")
 def test_killed_worker_ends_the_job(out, assets):
-    """Ray sees the death first: the job ends at once, naming it, well inside ODC's barrier timeout (the
-    surviving rank would otherwise give up at the end of the mini-batch, naming the rank that did not
-    arrive: tests/fsdp, test_killed_rank_makes_the_others_time_out_naming_it)."""
+    """The job ends at once, naming the death, well inside ODC's barrier timeout (the surviving rank would
+    otherwise give up at the end of the mini-batch, naming the rank that did not arrive: tests/fsdp,
+    test_killed_rank_makes_the_others_time_out_naming_it): Ray's ActorDiedError, or, where the surviving rank
+    reaches its next ODC wait before Ray's notice reaches the driver (a loaded machine), ODC's line naming the
+    process that exited."""
     run, after = _train_and_kill_a_worker(out, assets, "killed", barrier_timeout_s=30)
     assert run.result.returncode != 0
-    assert "ActorDiedError" in grpo.last_error(run.result.log_file)
+    error = grpo.last_error(run.result.log_file)
+    odc_saw_it = re.search(r"process \(pid \d+\) has exited\); rank\(s\) \[\d\] did not arrive", error)
+    assert "ActorDiedError" in error or odc_saw_it, error
     assert after < 30 + 60
     assert not runner.ray_processes(run.result.ray_dir)
 
