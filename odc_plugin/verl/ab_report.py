@@ -205,6 +205,7 @@ def speedup(base: float | None, cand: float | None, kind: str) -> float | None:
 
 def compare(base: Run, cand: Run) -> dict:
     b, c = summarize(base), summarize(cand)
+    spreads = [x for x in (_spread(base), _spread(cand)) if x is not None]
     rows = []
     for key, label, kind in ROWS:
         if key not in ALWAYS and b[key] is None and c[key] is None:
@@ -229,7 +230,7 @@ def compare(base: Run, cand: Run) -> dict:
         "control_rollout": speedup(b["gen_s"], c["gen_s"], "time"),
         # Where no phase is left alone by the strategy (verl's SFT trainers): how far apart one run's own steps
         # are, the slowest over the fastest, in either run
-        "control_steps": max((_spread(r) for r in (base, cand)), default=None, key=lambda x: x or 0.0),
+        "control_steps": max(spreads, default=None),
     }
 
 

@@ -233,7 +233,7 @@ _RAY_PREFIX = re.compile(r"^\([^()]*pid=\d+[^()]*\)\s*")
 # hydra refusing a command line prints its message and then this hint, no exception; before the message, the
 # output is a warning's source line or a log record
 _HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
-_NOT_HYDRAS = re.compile(r"^(warnings\.warn\(|[A-Z]+:|[IWEF]\d{4} )")
+_BEFORE_HYDRAS_MESSAGE = re.compile(r"^(warnings\.warn\(|[A-Z]+:|[IWEF]\d{4} )")
 
 
 def last_error(log_file: str) -> str:
@@ -250,7 +250,7 @@ def last_error(log_file: str) -> str:
             return f"{lines[i]} ({note})" if note else lines[i]
     if (hint := next((i for i, line in enumerate(lines) if line.startswith(_HYDRA_HINT)), None)) is not None:
         start = hint
-        while start > 0 and not _NOT_HYDRAS.match(lines[start - 1]):
+        while start > 0 and not _BEFORE_HYDRAS_MESSAGE.match(lines[start - 1]):
             start -= 1
         return " ".join(lines[start:hint][:3])
     errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line) and "Warning" not in line]
