@@ -493,9 +493,13 @@ def _refuse_a_loss_across_samples(data, loss_function, balancer: str) -> None:
     """verl's SFT loss shifts the loss mask over a packed micro-batch as a whole, so where a sample's first token
     carries loss, the packed sample before it (or the micro-batch's last, for its first) is trained to predict
     that token: its gradient depends on which samples are packed together, and LB-Mini packs others than
-    fsdp2. verl's multi-turn SFT data leave a conversation's first token out of the loss."""
+    fsdp2. verl's multi-turn SFT data leave a conversation's first token out of the loss. A micro-batch of one
+    sample (a fixed micro-batch size of 1) has no neighbour: it trains as under fsdp2."""
     if balancer != "lb_mini" or getattr(loss_function, "func", None) is not sft_loss:
         return
+    if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        if tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None) == 1:
+            return
     mask = data["loss_mask"]
     firsts = mask.values()[mask.offsets()[:-1]] if mask.is_nested else mask[:, 0]
     if firsts.any():

@@ -3,7 +3,7 @@ micro-batch as a whole, so a sample whose first token carries loss trains the sa
 predict that token, and LB-Mini packs other neighbours than fsdp2. On 2 CPU gloo ranks: a batch whose first
 tokens carry no loss trains; one with a single such sample on one rank is refused by both ranks, before the
 mini-batch starts, with one line naming what to change, and the engine trains the next batch as if the refused
-one had never come."""
+one had never come; with a sample a micro-batch (no neighbour) the same batch trains."""
 
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ def _steps(rank, world_size, model_dir):
     fresh = H.build_engine("language_model", "odc", model_dir, engine_config_cls=ODCEngineConfig)
     fresh.set_loss_fn(partial(sft_loss, config=None))
     out["fresh"] = H.train_step(fresh, _sft_batch(rank, False))["grad_norm"]
+    # a sample a micro-batch has no packed neighbour: the same batch trains
+    alone = H.build_engine(
+        "language_model",
+        "odc",
+        model_dir,
+        engine_config_cls=ODCEngineConfig,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=1,
+    )
+    alone.set_loss_fn(partial(sft_loss, config=None))
+    out["alone"] = H.train_step(alone, _sft_batch(rank, True))["grad_norm"]
     return out
 
 
@@ -53,3 +64,4 @@ def test_a_first_token_with_loss_is_refused_under_lb_mini_and_the_next_batch_tra
     assert ranks[0]["refused"].startswith("ODCPeerFailedError: ") and "rank 1" in ranks[0]["refused"], ranks[0]
     # the refused batch changed nothing: the next one trains as on a fresh engine
     assert all(r["trained"] == r["fresh"] > 0 for r in ranks), ranks
+    assert all(isinstance(r["alone"], float) and r["alone"] > 0 for r in ranks), ranks
