@@ -340,7 +340,7 @@ def _wrap_stage(stock, stage: str):
         metrics[f"{prefix}/plan_s"] = request.plan_s
         metrics[f"{prefix}/dispatch_s"] = request.dispatch_s
         if stage in _UPDATES:
-            observed = settings.observe(metrics, f"{stage}/")
+            observed = settings.observe(metrics, f"{stage}/", request.plan, request.seqlens)
             measured = metrics.get(f"{stage}/odc/compute_s_max")
             if request.fit is not None and measured:
                 predicted = plan_seconds(request.plan, request.seqlens, request.fit)

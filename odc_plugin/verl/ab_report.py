@@ -453,14 +453,16 @@ def _steps_span(runs: Sequence[Run]) -> str:
 
 
 def split_prediction(run) -> str:
-    """The trainer's planner on the split run's steps: LB-Mini's time without the split over the plan's."""
+    """The trainer's planner on the split run's steps: LB-Mini's time without the split over the plan's, in
+    the steps it priced in seconds (a static cost's first step has no measured throughput to price the
+    all-to-alls with)."""
     ratios = [
         m["odc_balance/unsplit_predicted_s"] / m["odc_balance/split_predicted_s"]
         for m in run.steps.values()
         if m.get("odc_balance/split_predicted_s")
     ]
     if not ratios:
-        return "split: the planner reported no prediction"
+        return "split: the planner priced no step in seconds (a static cost is priced from its first update on)"
     return (
         f"split: the trainer's planner predicts the update {statistics.median(ratios):.3f}x faster with the split "
         f"than without (median over {len(ratios)} steps; odc_balance/unsplit_predicted_s / split_predicted_s)"

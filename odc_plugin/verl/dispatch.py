@@ -29,7 +29,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from odc_plugin.balance import CostModel, balance_efficiency, get_cost_model, lb_mini
@@ -102,13 +102,16 @@ class StepPlan:
         each split sample of the rank's groups;
     splits[s]: with `odc_split`, the samples of step s split over groups of ranks (Split.sample a batch
         position), each run first, in this order, on every rank of its group; not in steps[s];
-    predicted[s]: with `odc_split`, the planner's time of step s with its splits and LB-Mini's without.
+    predicted[s]: with `odc_split`, the planner's time of step s with its splits and LB-Mini's without, in
+        seconds, or in the cost's units where `predicted_in_seconds` is False (a static cost before the
+        engine has measured its throughput).
     """
 
     steps: tuple[tuple[tuple[int, ...], ...], ...]
     micro_batches: tuple[tuple[int, ...], ...]
     splits: tuple[tuple[Split, ...], ...] = ()
     predicted: tuple[tuple[float, float], ...] = ()
+    predicted_in_seconds: bool = True
 
     @property
     def dp_size(self) -> int:
@@ -152,6 +155,7 @@ def plan_steps(
     micro_batch_cost: float = 0.0,
     min_gain: float = MIN_GAIN,
     ulysses: UlyssesModel | None = None,
+    throughput: float | None = 1.0,
 ) -> StepPlan:
     """Split the samples of each of verl's steps (`stock`, as `verl_steps` gives them) over its ranks with
     LB-Mini; verl's own pieces are the baseline LB-Mini keeps unless its split is predicted at least
@@ -161,8 +165,9 @@ def plan_steps(
     is an error, as in verl); with a fixed micro-batch size pass `max_token_len=None, micro_batch_size=n`.
     `rank_speed` and `micro_batch_cost` go to LB-Mini (the `auto` cost's fit). With `ulysses` a step's
     longest samples may be split over groups of ranks (odc_plugin.balance.split.lb_mini_split, LB-Mini's
-    plan as the one to beat); their all-to-alls count in seconds, so they weigh in once the cost is the
-    `auto` fit's seconds and are negligible against a static cost's units.
+    plan as the one to beat); `throughput` (cost units per second: 1 for a cost in seconds) puts their
+    all-to-alls in the cost's units and the predictions in seconds. None: not known yet (a static cost the
+    engine has not timed), so the all-to-alls are left out and the predictions stay in the cost's units.
 
     Long because it checks verl's constraints one by one, each with its own message, before planning.
     """
@@ -183,6 +188,8 @@ def plan_steps(
     else:
         _check_int("micro_batch_size", micro_batch_size)
     cost_model = get_cost_model(cost)
+    if ulysses is not None and throughput is None:
+        ulysses = replace(ulysses, bytes_per_token=0.0, all_to_alls=0)
     steps, micro, splits, predicted = [], [], [], []
     for stock_step in stock:
         if len(stock_step) != dp_size or any(not piece for piece in stock_step):
@@ -217,12 +224,14 @@ def plan_steps(
                 cost_model,
                 ulysses=ulysses,
                 rank_speed=rank_speed,
+                throughput=throughput or 1.0,
                 micro_batch_size=micro_batch_size,
                 baseline=ranks,
                 min_gain=min_gain,
             )
             ranks, split = planned.ranks, planned.splits
-            predicted.append((planned.seconds, planned.unsplit_seconds))
+            per_second = throughput or 1.0
+            predicted.append((planned.seconds / per_second, planned.unsplit_seconds / per_second))
         # in verl's order within the step: a kept baseline is then verl's own piece, sample for sample
         shares = [sorted(i for mb in rank for i in mb) for rank in ranks]
         in_groups = [sum(r in s.group for s in split) for r in range(dp_size)]
@@ -239,6 +248,7 @@ def plan_steps(
         micro_batches=tuple(micro),
         splits=tuple(splits) if ulysses is not None else (),
         predicted=tuple(predicted),
+        predicted_in_seconds=throughput is not None,
     )
 
 
@@ -271,8 +281,9 @@ def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, 
     {prefix}/micro_batches_min, /micro_batches_max: predicted micro-batches of one rank in one step;
     {prefix}/mini_batches: optimizer steps of the call;
     with `odc_split`: {prefix}/split_predicted_s and /unsplit_predicted_s, the planner's time of the call's
-        steps with its splits and without (cost over speed: seconds with the auto fit), and
-        {prefix}/split_samples, the samples it split.
+        steps with its splits and without (`split_predicted_cost` and `unsplit_predicted_cost`, in the
+        cost's units, before the engine has timed a static cost), and {prefix}/split_samples, the samples it
+        split.
     A split sample counts a k-th of its tokens and cost on each rank of its group of k.
     """
     costs = get_cost_model(cost).costs([int(s) for s in seqlens])
@@ -284,8 +295,9 @@ def plan_metrics(plan: StepPlan, seqlens: Sequence[int], cost: str | CostModel, 
     micro = [m for step in plan.micro_batches for m in step]
     split = {}
     if plan.predicted:
-        split[f"{prefix}/split_predicted_s"] = sum(p[0] for p in plan.predicted)
-        split[f"{prefix}/unsplit_predicted_s"] = sum(p[1] for p in plan.predicted)
+        unit = "s" if plan.predicted_in_seconds else "cost"
+        split[f"{prefix}/split_predicted_{unit}"] = sum(p[0] for p in plan.predicted)
+        split[f"{prefix}/unsplit_predicted_{unit}"] = sum(p[1] for p in plan.predicted)
         split[f"{prefix}/split_samples"] = float(sum(map(len, plan.splits)))
     return {
         **split,
@@ -331,11 +343,23 @@ class LBMiniSettings:
     sp_size: int = 1
     ulysses: UlyssesModel | None = None  # with odc_split: the groups a long sample may be split over
     fit: TimeFit | None = None  # the auto cost's latest fit
+    # with odc_split and a cost not in seconds (tokens, flops, auto before its fit): cost units per second of
+    # the role's last update (its cost over its ranks' compute seconds), which prices the all-to-alls
+    measured_throughput: float | None = None
     fit_from: LBMiniSettings | None = None  # a forward-only pass plans with its role's training fit
 
     @property
     def current_fit(self) -> TimeFit | None:
         return self.fit_from.current_fit if self.fit_from is not None else self.fit
+
+    @property
+    def throughput(self) -> float | None:
+        """Cost units per second to plan with: 1 for a cost in seconds (a fit), else the measured one (None
+        before the first update)."""
+        if self.cost.name == "fit" or self.current_fit is not None:
+            return 1.0
+        owner = self.fit_from or self
+        return owner.measured_throughput
 
     def plan(self, seqlens: Sequence[int], stock: Steps) -> tuple[StepPlan, TimeFit | None]:
         """The plan of one call, and the fit it was made with (None: the static cost)."""
@@ -352,6 +376,7 @@ class LBMiniSettings:
             micro_batch_cost=fit.c if fit else 0.0,
             min_gain=fit.min_gain if fit else MIN_GAIN,
             ulysses=self.ulysses,
+            throughput=1.0 if fit else self.throughput,
         )
         return plan, fit
 
@@ -364,12 +389,21 @@ class LBMiniSettings:
             self.cost, max_token_len, micro_batch_size, self.auto, self.sp_size, ulysses=ulysses, fit_from=self
         )
 
-    def observe(self, metrics: dict, prefix: str) -> dict[str, float]:
-        """Take the auto fit the role's engine reported in the update's metrics (`<prefix>odc/fit_*`,
-        `<prefix>odc/rank_speed_<r>`; the prefix is `actor/` or `critic/` in the PPO trainer, empty in the SFT
-        trainers); returns it as `odc_balance` metrics (empty without a fit)."""
+    def observe(self, metrics: dict, prefix: str, plan: StepPlan, seqlens: Sequence[int]) -> dict[str, float]:
+        """Take what the role's engine measured in the update `plan` (of samples of `seqlens` tokens) from its
+        metrics (the prefix is `actor/` or `critic/` in the PPO trainer, empty in the SFT trainers): the auto
+        fit (`<prefix>odc/fit_*`, `<prefix>odc/rank_speed_<r>`) and, where a split's all-to-alls need it, the
+        cost's throughput (the plan's cost over the ranks' compute seconds, `<prefix>odc/compute_s_mean` a
+        mini-batch). Returns them as `odc_balance` metrics (empty where there is neither)."""
+        observed = {}
+        compute_s = metrics.get(f"{prefix}odc/compute_s_mean")
+        if self.ulysses is not None and self.cost.name != "fit" and compute_s:
+            costs = self.cost.costs([int(s) for s in seqlens])
+            work = sum(sum(plan.rank_items(s, r, costs)) for s in range(plan.num_steps) for r in range(plan.dp_size))
+            self.measured_throughput = work / (float(compute_s) * plan.dp_size * plan.num_steps)
+            observed["cost_per_s"] = self.measured_throughput
         if not self.auto or f"{prefix}odc/fit_c" not in metrics:
-            return {}
+            return observed
         speeds = []
         while f"{prefix}odc/rank_speed_{len(speeds)}" in metrics:
             speeds.append(float(metrics[f"{prefix}odc/rank_speed_{len(speeds)}"]))
@@ -382,6 +416,7 @@ class LBMiniSettings:
             error=float(metrics.get(f"{prefix}odc/fit_error", 0.0)),
         )
         return {
+            **observed,
             "fit_c": self.fit.c,
             "fit_a": self.fit.a,
             "fit_b": self.fit.b,

@@ -272,7 +272,9 @@ class _PlannedClient:
             flatten_odc_metrics(metrics)
             if trainer._plan is not None:
                 metrics.update(trainer._balance_metrics(trainer._lengths), **trainer._balance_s)
-                trainer._lb_mini.observe(metrics, "")  # the engine's fit: the next step's plan uses it
+                # what the engine measured (its fit, its throughput): the next step's plan uses it
+                observed = trainer._lb_mini.observe(metrics, "", trainer._plan[0], trainer._lengths)
+                metrics.update({f"odc_balance/{key}": value for key, value in observed.items()})
         trainer._plan = None
         return trainer._returned(output)
 

@@ -127,6 +127,35 @@ def test_plan_with_odc_split_splits_the_longest_sample_and_runs_it_first_on_its_
     assert even.splits == ((),) and even.predicted[0][0] == even.predicted[0][1]
 
 
+def test_a_static_cost_prices_the_all_to_alls_with_the_throughput_its_engine_measured():
+    """With the tokens cost the all-to-alls (seconds) are priced in tokens by the throughput the engine
+    measured in the role's last update (its tokens over its ranks' compute seconds); before that update they
+    are left out and the predictions named by their unit (`*_predicted_cost`)."""
+    from odc_plugin.balance.costs import get_cost_model
+    from odc_plugin.balance.split import UlyssesModel
+    from odc_plugin.verl.dispatch import LBMiniSettings
+
+    lens = [16, 60, 2, 3, 4, 5, 6, 4]
+    stock = [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    # every split costs 8 all-to-alls of 1 ms: 8 ms, 80 tokens at 10,000 tokens/s, 0.8 at 100
+    ulysses = UlyssesModel(max_group=4, all_to_alls=8, latency_s=1e-3)
+    settings = LBMiniSettings(get_cost_model("tokens"), 64, None, ulysses=ulysses)
+    first, _ = settings.plan(lens, stock)
+    assert first.splits[0] and not first.predicted_in_seconds  # nothing measured: all-to-alls left out
+    metrics = plan_metrics(first, lens, "tokens", "odc_balance")
+    assert metrics["odc_balance/unsplit_predicted_cost"] == 60 and "odc_balance/split_predicted_s" not in metrics
+    # the update ran its 100 tokens in 0.25 s of compute a rank on 4 ranks: 100 tokens/s
+    observed = settings.observe({"actor/odc/compute_s_mean": 0.25}, "actor/", first, lens)
+    assert observed == {"cost_per_s": pytest.approx(100.0)}
+    slow, _ = settings.plan(lens, stock)
+    assert slow.splits[0] and slow.predicted[0][1] == pytest.approx(60 / 100)  # LB-Mini's 60 tokens, in seconds
+    assert slow.predicted[0][0] > first.predicted[0][0] / 100  # the all-to-alls' 8 ms counted
+    settings.measured_throughput = 10_000.0  # 80 tokens of all-to-alls: splitting the 60-token sample loses
+    fast, _ = settings.plan(lens, stock)
+    assert fast.splits == ((),) and fast.predicted[0] == pytest.approx((60 / 10_000, 60 / 10_000))
+    assert settings.for_inference(64, None, ulysses).throughput == 10_000.0  # a forward pass: the role's
+
+
 def test_fill_empty_ranks_takes_the_cheapest_sample_of_the_fullest_rank():
     shares = [[0, 1, 2], [], [3, 4], []]
     _fill_empty_ranks(shares, [5.0, 1.0, 3.0, 0.5, 9.0])
