@@ -165,3 +165,74 @@ def print_cluster(
         print(
             f"pick: {CLUSTER_SCHEMES[pick]} on every row ({how} with fsdp_size = {cluster.gpus_per_node} GPUs per node)"
         )
+
+
+# A forward-only pass (old and reference log-probs) costs about a third of an update's forward and backward.
+FORWARD_SHARE = 1 / 3
+ODC_SCHEME = "odc_lb_mini"
+
+
+def step_times_of(lengths: str, source, modes: Sequence[str]) -> dict:
+    """A run's steps as its trainer spent them (verl's timing_s/*) where `lengths` is its metrics file and
+    they were logged; else empty. ValueError where they are and more than one mode is asked for."""
+    from odc_plugin.balance.lengths import read_metrics
+    from odc_plugin.balance.modes import StepTimes
+
+    if not (lengths.endswith(".jsonl") and source.steps):
+        return {}
+    timed = {s: StepTimes.from_metrics(m) for s, m in read_metrics(lengths).items() if "timing_s/step" in m}
+    if timed and len(modes) > 1:
+        raise ValueError("--trainer-mode: a run's timings are of the one mode it ran in; give that mode")
+    return timed
+
+
+def end_to_end(
+    modes: Sequence[str], rows: Sequence[PlanRow], timed: dict, source, draws: int, seed: int, decode
+) -> str:
+    """odc-plan's end-to-end lines: for each row, the step in each trainer mode under fsdp2 and under odc
+    (the trainer's passes ODC+LB-Mini's speedup faster), from a run's own step times (`timed`,
+    step_times_of) where there are some, else modelled with the DecodeModel `decode`."""
+    from odc_plugin.balance.modes import predict_step
+
+    out = []
+    for row in rows:
+        speedup = row.speedup(ODC_SCHEME)
+        if timed:
+            steps = {s: (predict_step(modes[0], t), predict_step(modes[0], t, speedup)) for s, t in timed.items()}
+            ratios = sorted(b.step_s / o.step_s for b, o in steps.values())
+            bound = sorted(o.bound for _, o in steps.values())
+            median = ratios[len(ratios) // 2]
+            out.append(
+                f"{row.dp_size * row.sp} ranks, mini-batch {row.minibatch_size}: {modes[0]}, from the run's "
+                f"timing_s/* ({len(steps)} steps): the passes {speedup:.3f}x (the planner), end to end {median:.3f}x "
+                f"(median over steps; {bound.count('trainer')} of {len(bound)} steps bound by the trainer under odc)"
+            )
+            continue
+        out.append(_modelled(modes, row, speedup, source, draws, seed, decode))
+    return "end to end (" + ("from the run's timings" if timed else "MODELLED") + "):\n" + "\n".join(out)
+
+
+def _modelled(modes, row: PlanRow, speedup: float, source, draws: int, seed: int, decode) -> str:
+    """A step of one mini-batch: the rollout from the decode model over one inference server a GPU (each
+    sequence decoded to its whole length), the passes the update and two forward-only passes; nothing else."""
+    from odc_plugin.balance.modes import StepTimes, predict_step
+    from odc_plugin.balance.rollout_time import rollout_seconds, steady_seconds
+
+    gpus = row.dp_size * row.sp
+    batches = [source.draw(row.minibatch_size, seed + d) for d in range(draws)]
+    whole = sum(rollout_seconds([0] * len(b), b, decode, gpus).seconds for b in batches) / draws
+    steady = sum(steady_seconds([0] * len(b), b, decode, gpus) for b in batches) / draws
+    passes = row.seconds[SPEEDUP_BASELINE] * (1 + 2 * FORWARD_SHARE)
+    lines = [
+        f"{gpus} ranks, mini-batch {row.minibatch_size}: rollout {whole:.4g} s to its last response, {steady:.4g} s "
+        f"never running dry; fsdp2's passes {passes:.4g} s, odc's {speedup:.3f}x faster"
+    ]
+    for mode in modes:
+        times = StepTimes(steady if mode == "colocate_async" else whole if mode == "sync" else 0.0, passes, 0.0)
+        period = steady if mode == "separate_async" else None
+        base, odc = predict_step(mode, times, rollout_period_s=period), predict_step(mode, times, speedup, period)
+        lines.append(
+            f"  {mode}: step {base.step_s:.4g} -> {odc.step_s:.4g} s, end to end {odc.speedup(base):.3f}x "
+            f"(bound by the {odc.bound})"
+        )
+    return "\n".join(lines)

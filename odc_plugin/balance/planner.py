@@ -47,10 +47,13 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from importlib import resources
 
 from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, VerlFlopsCost, get_cost_model
 from odc_plugin.balance.lengths import LengthSource, plan_lengths
-from odc_plugin.balance.plan_report import format_table, plot, print_cluster
+from odc_plugin.balance.modes import MODES
+from odc_plugin.balance.plan_report import end_to_end, format_table, plot, print_cluster, step_times_of
+from odc_plugin.balance.rollout_time import DecodeModel
 from odc_plugin.balance.split import UlyssesModel
 from odc_plugin.balance.step_time import (
     IB_BW,
@@ -176,6 +179,19 @@ def _parser() -> argparse.ArgumentParser:
         help="FSDP's rank shares: balanced (the default: verl's PPO trainer, its Ray SFT trainer) or sampler "
         "(verl's torchrun SFT trainer: each rank its own sampler's)",
     )
+    p.add_argument(
+        "--trainer-mode",
+        choices=MODES,
+        nargs="+",
+        help="also predict verl's step end to end in these trainer modes: from a run's metrics file (--lengths "
+        "RUN.jsonl) its own timing_s/* (give the one mode it ran in), else modelled (the rollout by --rollout-fit)",
+    )
+    p.add_argument(
+        "--rollout-fit",
+        metavar="FILE.json",
+        help="for a modelled --trainer-mode: the inference server's decode fit (odc_plugin.balance.rollout_time; "
+        f"default for {DEFAULT_MODEL}: configs/cost_fit/Qwen2.5-7B-H100-decode.json)",
+    )
     p.add_argument("--seed", type=number_arg(int, strict=False), default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot speedup and idle fraction")
@@ -224,6 +240,7 @@ def _check_combination(p: argparse.ArgumentParser, args) -> None:
             "--plot": args.plot,
             "--layer-comm-bytes": args.layer_comm_bytes,
             "--fsdp-shares": args.fsdp_shares,
+            "--trainer-mode": args.trainer_mode,
         }
         unused = [option for option, value in given.items() if value is not None]
         if unused:
@@ -245,8 +262,14 @@ def _check_combination(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--moe-flops is for --cost flops, not --cost {args.cost}; drop it")
     if args.cost != "flops" and args.model is not None and not (args.nodes and args.model_params is None):
         p.error(f"--model is for --cost flops (or --nodes without --model-params), not --cost {args.cost}; drop it")
+    if args.trainer_mode and args.json:
+        p.error("--trainer-mode prints its end-to-end lines as text; drop --json or --trainer-mode")
+    if args.rollout_fit is not None and not args.trainer_mode:
+        p.error("--rollout-fit is for a modelled --trainer-mode; give --trainer-mode or drop it")
     if args.model is None:
         args.model = DEFAULT_MODEL
+    if args.trainer_mode and args.rollout_fit is None and args.model == DEFAULT_MODEL:
+        args.rollout_fit = str(resources.files("odc_plugin.configs") / "cost_fit" / "Qwen2.5-7B-H100-decode.json")
     if args.ranks is None:
         args.ranks = DEFAULT_RANKS
     if args.sp is None:
@@ -319,6 +342,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         cost, model = _cost_and_model(args)
         source = _lengths(args)
+        timed = step_times_of(args.lengths, source, args.trainer_mode) if args.trainer_mode else {}
+        decode = None
+        if args.trainer_mode and not timed:
+            if args.rollout_fit is None:
+                raise ValueError(f"a modelled --trainer-mode needs --rollout-fit FILE.json for {args.model}")
+            decode = DecodeModel.load(args.rollout_fit)
         max_token_len = max(16384, source.longest) if args.max_token_len is None else args.max_token_len
         if args.nodes:
             cluster = ClusterModel(
@@ -377,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         return
     _print_table(args, source, _cost_text(args, cost), rows, max_token_len, model.throughput)
+    if args.trainer_mode:
+        print("\n" + end_to_end(args.trainer_mode, rows, timed, source, args.draws, args.seed, decode))
     if args.plot:
         plot(rows, args.plot, title=f"{args.lengths}, cost={args.cost}, max_token_len={max_token_len}")
 

@@ -208,12 +208,18 @@ def test_cli_plans_a_runs_steps_with_fixed_micro_batches(tmp_path, monkeypatch, 
         ),
         (["--model-params", "1e9"], "--model-params is for --nodes; drop it or give --nodes"),
         (["--nodes", "2", "--fsdp-shares", "sampler"], "--fsdp-shares: not used with --nodes"),
+        (["--nodes", "2", "--trainer-mode", "sync"], "--trainer-mode: not used with --nodes"),
+        (["--rollout-fit", "FIT"], "--rollout-fit is for a modelled --trainer-mode"),
+        (["--trainer-mode", "sync", "--json"], "--trainer-mode prints its end-to-end lines as text"),
+        (["--trainer-mode", "sync", "--rollout-fit", "FIT"], "FIT: not a decode fit file"),
+        (["--trainer-mode", "sync", "--model", "Qwen3-8B"], "a modelled --trainer-mode needs --rollout-fit"),
     ],
 )
 def test_cli_refuses_bad_numbers_and_unused_options_in_one_line(argv, message, capsys):
     """Bad input: one error line naming the option, a nonzero exit and nothing on stdout; 0 never stands
     for a default, and no option is silently ignored."""
-    argv = [a.replace("FIT", "configs/cost_fit/Qwen2.5-7B-H100.json") for a in argv]
+    fit = "configs/cost_fit/Qwen2.5-7B-H100.json"
+    argv, message = [a.replace("FIT", fit) for a in argv], message.replace("FIT", fit)
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--draws", "1"] if "--draws" not in argv else argv)
     out, err = capsys.readouterr()
@@ -258,3 +264,50 @@ def test_fsdp_with_its_samplers_shares_is_the_torchrun_sft_trainers_baseline(cap
         (rows[shares],) = json.loads(capsys.readouterr().out)["rows"]
     assert rows["sampler"]["seconds"]["fsdp_lb_micro"] > rows["balanced"]["seconds"]["fsdp_lb_micro"]
     assert rows["sampler"]["seconds"]["odc_lb_mini"] == pytest.approx(rows["balanced"]["seconds"]["odc_lb_mini"])
+
+
+def test_cli_predicts_the_step_end_to_end_in_each_trainer_mode(tmp_path, monkeypatch, capsys):
+    """Modelled: the rollout by the decode model (to its last response in sync, never running dry in the
+    async modes), the passes by the planner; each mode's step as odc_plugin.balance.modes puts them together.
+    From a run's metrics file: its own timing_s/*, the passes the planner's speedup faster."""
+    import re
+
+    from verl.utils.tracking import FileLogger
+
+    main(
+        ["--ranks", "16", "--minibatch-sizes", "1024", "--draws", "2", "--max-response-length", "16384"]
+        + ["--trainer-mode", "sync", "colocate_async", "separate_async"]
+    )
+    out = capsys.readouterr().out.split("end to end (MODELLED):\n")[1]
+    whole, steady, passes, x = map(
+        float,
+        re.search(
+            r"rollout ([\d.]+) s to its last response, ([\d.]+) s never running dry; fsdp2's passes ([\d.]+) s, "
+            r"odc's ([\d.]+)x faster",
+            out,
+        ).groups(),
+    )
+    expected = {"sync": (whole + passes, whole + passes / x), "colocate_async": (steady + passes, steady + passes / x)}
+    expected["separate_async"] = (max(steady, passes), max(steady, passes / x))
+    for mode, (base, odc) in expected.items():
+        found = re.search(rf"  {mode}: step ([\d.]+) -> ([\d.]+) s", out).groups()
+        assert [float(v) for v in found] == pytest.approx([base, odc], rel=2e-3), mode
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "run.jsonl"))
+    logger = FileLogger("odc", "plan")
+    for step in (1, 2):
+        data = {"response_length/mean": 1500.0, "response_length/max": 8192.0, "response_length/min": 20.0}
+        data |= {"response_length/clip_ratio": 0.0, "prompt_length/mean": 200.0, "prompt_length/max": 400.0}
+        data |= {"prompt_length/min": 60.0, "perf/total_num_tokens": 64 * 1700.0}
+        # 30 s waiting for the batch, 60 s of passes, 10 s of the rest
+        timing = {"step": 100.0, "gen": 30.0, "old_log_prob": 10.0, "ref": 8.0, "update_actor": 42.0}
+        logger.log(data | {f"timing_s/{k}": v for k, v in timing.items()}, step)
+    logger.finish()
+    capsys.readouterr()
+    main(["--lengths", str(tmp_path / "run.jsonl"), "--ranks", "8", "--trainer-mode", "colocate_async"])
+    line = capsys.readouterr().out.split("end to end (from the run's timings):\n")[1]
+    x, e2e = map(float, re.search(r"the passes ([\d.]+)x \(the planner\), end to end ([\d.]+)x", line).groups())
+    assert e2e == pytest.approx(100 / (30 + 60 / x + 10), abs=2e-3)
+    with pytest.raises(SystemExit):
+        main(["--lengths", str(tmp_path / "run.jsonl"), "--ranks", "8", "--trainer-mode", "sync", "separate_async"])
+    assert "a run's timings are of the one mode it ran in" in capsys.readouterr().err
