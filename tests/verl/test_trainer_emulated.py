@@ -11,6 +11,7 @@ at 8, 16 and 32 ranks").
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,11 @@ def test_the_report_has_every_phase_and_says_what_was_emulated(emulated):
     stdout, out = emulated
     report = (out / "report.txt").read_text()
     assert "each to a length DRAWN from the rl profile" in stdout
+    # the fit's decode sibling holds each response to a GPU server's time (4 servers, one a rank)
+    assert "held until 4 GPU inference server(s) would have generated it" in stdout
+    for run in RUNS:
+        held = re.search(rf"rollout of {run}: (\d+) responses held to the decode model \(median [\d.]+ s", report)
+        assert held and int(held.group(1)) == 2 * 4 * RANKS, (run, held)  # 2 steps of a prompt of 4 a rank
     rows = [line.split()[0] for line in report[report.index("per phase") :].splitlines()[2:] if line[:1].strip()]
     assert rows[:4] == ["old_log_prob", "ref", "update_actor", "training"]
     assert "EMULATED from Qwen2.5-7B" in report and "ODC+LB-Mini over lockstep" in report

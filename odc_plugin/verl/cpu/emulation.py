@@ -29,6 +29,7 @@ import numpy as np
 
 from ...balance.common import minibatch_limit
 from ...balance.lengths import RL_PROFILE, load_lengths, rl_math_like
+from ...balance.rollout_time import DecodeModel
 from ...balance.step_time import simulate_minibatch
 from ...layer_time import EmulationFit
 from . import EMULATION_ENV
@@ -58,19 +59,37 @@ class Emulation:
     (odc_plugin.balance.load_lengths), in true tokens; each response is generated to a length drawn from it.
     None: responses end where the model ends them."""
 
+    rollout_fit: str | None = None
+    """A decode fit file (configs/cost_fit/*-decode.json, odc_plugin.balance.rollout_time): the `hf` rollout
+    holds each response until a GPU inference server would have generated it (the model's seconds times
+    time_scale, the prompt's and response's true lengths); None: the rollout takes the CPU's own time."""
+
+    rollout_servers: int = 1
+    """The GPU inference servers the rollout stands for (with rollout_fit): requests are dealt round-robin
+    over that many modelled servers, each its own continuous batch."""
+
     passes_dir: str | None = None
-    """Where every rank records the passes it runs (one JSON line per FSDP mini-batch); None: not recorded."""
+    """Where every rank records the passes it runs (one JSON line per FSDP mini-batch), and the rollout each
+    response's modelled and real finish; None: not recorded."""
 
     def __post_init__(self):
         if not self.time_scale > 0:
             raise ValueError(f"--time-scale must be > 0, got {self.time_scale}")
         if not (isinstance(self.length_factor, int) and self.length_factor >= 1):
             raise ValueError(f"--length-factor must be an integer >= 1, got {self.length_factor!r}")
+        if not (isinstance(self.rollout_servers, int) and self.rollout_servers >= 1):
+            raise ValueError(f"--rollout-servers must be an integer >= 1, got {self.rollout_servers!r}")
+        if self.rollout_fit and not self.response_lengths:
+            raise ValueError("a rollout fit needs drawn response lengths (--response-lengths)")
 
     def check(self) -> None:
         """Read the fit and the length profile now, so that a bad one is a one-line error before any run."""
         self.layer_fit()
         self.max_response_tokens()
+        self.decode_model()
+
+    def decode_model(self) -> DecodeModel | None:
+        return None if self.rollout_fit is None else DecodeModel.load(self.rollout_fit)
 
     def layer_fit(self) -> EmulationFit | None:
         return None if self.fit is None else EmulationFit.load(self.fit, self.time_scale)
@@ -141,6 +160,24 @@ class PhaseTime:
     def idle_fraction(self, measured_s: float) -> float:
         """The share of the ranks' time in the measured phase not spent in emulated compute."""
         return 1 - self.busy_rank_s / (self.ranks * measured_s)
+
+
+def rollout_lateness(passes_dir: str) -> str | None:
+    """How the held rollout of a run went (Emulation.rollout_fit): its responses, and those the CPU generated
+    later than the decode model's finish (the rollout's time then is the CPU's, not the model's)."""
+    records = [
+        json.loads(line)
+        for path in sorted(Path(passes_dir).glob("rollout-*.jsonl"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+    ]
+    if not records:
+        return None
+    late = [r["cpu_late_s"] for r in records if r["cpu_late_s"] > 0]
+    median = np.median([r["seconds"] for r in records])
+    text = f"{len(records)} responses held to the decode model (median {median:.2f} s from arrival)"
+    if late:
+        return text + f"; {len(late)} came later, by up to {max(late):.2f} s (the CPU's own generation)"
+    return text + "; none came later than modelled"
 
 
 def read_passes(passes_dir: str, key: str) -> dict[str, dict[int, list]]:

@@ -77,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         default=list(STRATEGIES),
         metavar="RUN,RUN,...",
         help="the runs, in order, out of fsdp2 (stock), lockstep (FSDP's per-layer synchronization on ODC's "
-        "transport: the same-transport baseline), odc_lb_micro (ODC on verl's equal split) and odc "
-        "(ODC with LB-Mini); default fsdp2,odc",
+        "transport: the same-transport baseline), odc_lb_micro (ODC on verl's equal split), odc "
+        "(ODC with LB-Mini) and split (odc with odc_split=auto); default fsdp2,odc",
     )
     parser.add_argument(
         "--timeout-s", type=number_arg(), default=1800.0, help="a run still going after this is killed (default 1800)"
@@ -119,6 +119,18 @@ def _parser() -> argparse.ArgumentParser:
         help="generate each response to a length drawn from this profile, in true tokens: 'rl' (odc-demo's "
         "sweep: median ~4.9k, up to 16384) or a lengths file; default rl with --emulate",
     )
+    parser.add_argument(
+        "--rollout-fit",
+        metavar="FILE|none",
+        help="with --emulate: hold each response until a GPU inference server would have generated it, by this "
+        "decode fit (odc_plugin.balance.rollout_time; default: the fit's <name>-decode.json beside it, if there "
+        "is one); 'none': the rollout takes the CPU's own time",
+    )
+    parser.add_argument(
+        "--rollout-servers",
+        type=int,
+        help="with a rollout fit: the GPU inference servers the rollout stands for (default: one a training rank)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="hydra overrides for every run")
     return parser
 
@@ -127,10 +139,15 @@ def emulation_of(args, ranks: int) -> Emulation | None:
     """The runs' Emulation from the command line (checked: a bad fit or profile raises a one-line
     ValueError), its time scale resolved; None when nothing is emulated or drawn."""
     if args.emulate is None:
-        for flag, value in (("--time-scale", args.time_scale), ("--length-factor", args.length_factor)):
-            if value is not None and (flag == "--time-scale" or args.response_lengths is None):
+        for flag, value in (
+            ("--time-scale", args.time_scale),
+            ("--rollout-fit", args.rollout_fit),
+            ("--rollout-servers", args.rollout_servers),
+            ("--length-factor", args.length_factor),
+        ):
+            if value is not None and (flag != "--length-factor" or args.response_lengths is None):
                 raise ValueError(
-                    f"{flag} needs --emulate" + ("" if flag == "--time-scale" else " or --response-lengths")
+                    f"{flag} needs --emulate" + (" or --response-lengths" if flag == "--length-factor" else "")
                 )
     if args.emulate is None and args.response_lengths is None:
         return None
@@ -139,6 +156,8 @@ def emulation_of(args, ranks: int) -> Emulation | None:
         fit,
         length_factor=64 if args.length_factor is None else args.length_factor,
         response_lengths=args.response_lengths or RL_LENGTHS,
+        rollout_fit=_rollout_fit(args.rollout_fit, fit),
+        rollout_servers=ranks if args.rollout_servers is None else args.rollout_servers,
     )
     emulation.check()
     if fit is None:
@@ -155,6 +174,14 @@ def emulation_of(args, ranks: int) -> Emulation | None:
         ]
         scale = auto_time_scale(fit, draws, ranks, AUTO_SHARE_S * max(1.0, ranks / AUTO_RANKS))
     return dataclasses.replace(emulation, time_scale=scale)
+
+
+def _rollout_fit(given: str | None, fit: str | None) -> str | None:
+    """The decode fit the rollout is held to: the one given, none, or the layer fit's -decode.json sibling."""
+    if given is not None:
+        return None if given == "none" else os.path.abspath(given)
+    sibling = fit and os.path.splitext(fit)[0] + "-decode.json"
+    return sibling if sibling and os.path.exists(sibling) else None
 
 
 def save_emulation(emulation: Emulation | None, out_dir: str, run: str) -> None:
@@ -179,6 +206,11 @@ def describe(emulation: Emulation) -> str:
         f"responses: real generation by the hf rollout, each to a length DRAWN from {lengths}, "
         f"{emulation.length_factor} true tokens per real token"
     )
+    if emulation.rollout_fit:
+        drawn += (
+            f", each held until {emulation.rollout_servers} GPU inference server(s) would have generated it "
+            f"(decode MODELLED by {os.path.basename(emulation.rollout_fit)})"
+        )
     fit = emulation.layer_fit()
     if fit is None:
         return drawn
@@ -191,7 +223,7 @@ def describe(emulation: Emulation) -> str:
 def report(results: list[RunResult], args, emulation: Emulation | None, out_dir: str) -> str:
     """The A/B report of the first run against the last, and with more runs or emulated ones, phase by phase."""
     from .. import ab_report
-    from .emulation import phase_times
+    from .emulation import phase_times, rollout_lateness
 
     runs = [ab_report.load_run(r.metrics_file, r.strategy, skip_first=1 if args.steps > 1 else 0) for r in results]
     text = ab_report.format_report(ab_report.compare(runs[0], runs[-1]))
@@ -218,6 +250,9 @@ def report(results: list[RunResult], args, emulation: Emulation | None, out_dir:
         label = describe(emulation).splitlines()[0]
     memory = {r.strategy: r.peak_pss_gib for r in results}
     text += "\n\n" + ab_report.phase_report(runs, times, memory, label)
+    for r in results if emulation and emulation.rollout_fit else ():
+        held = rollout_lateness(os.path.join(out_dir, f"{r.strategy}-passes"))
+        text += f"\nrollout of {r.strategy}: {held or 'no response recorded'}"
     return text + ("\n" + ab_report.split_prediction(runs[-1]) if "split" in args.compare else "")
 
 

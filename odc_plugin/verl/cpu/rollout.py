@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 from collections import Counter
@@ -85,6 +86,7 @@ class HFRolloutServer:
         self._lock = asyncio.Lock()
         emulation = Emulation.from_env()
         self.lengths = emulation if emulation and emulation.response_lengths else None
+        self.decode = _ModelledServers(emulation) if emulation and emulation.rollout_fit else None
         if self.lengths and not config.full_determinism:
             raise ValueError(
                 f"rollout '{ROLLOUT_NAME}': drawn response lengths need rollout.full_determinism=True (a request's "
@@ -108,13 +110,17 @@ class HFRolloutServer:
                 f"rollout '{ROLLOUT_NAME}' generates from text token ids only (no images, video or audio)"
             )
         prompt_ids = [int(t) for t in prompt_ids]
+        seed = None
+        if self.config.full_determinism:  # in arrival order (no await before): the same in every run
+            key = (self.global_steps, tuple(prompt_ids))
+            seed = request_seed(self.config.seed, self.global_steps, prompt_ids, self._seen[key])
+            self._seen[key] += 1
+        held = self.decode and self.decode.admit(len(prompt_ids), self.lengths.response_tokens(seed))
         async with self._lock:  # one generation at a time: a seeded request owns the generator it draws from
-            seed = None
-            if self.config.full_determinism:
-                key = (self.global_steps, tuple(prompt_ids))
-                seed = request_seed(self.config.seed, self.global_steps, prompt_ids, self._seen[key])
-                self._seen[key] += 1
-            return await asyncio.to_thread(self._generate, prompt_ids, dict(sampling_params), seed)
+            output = await asyncio.to_thread(self._generate, prompt_ids, dict(sampling_params), seed)
+        if held is not None:
+            await self.decode.hold(held)
+        return output
 
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], params: dict[str, Any], seed: int | None) -> TokenOutput:
@@ -202,12 +208,15 @@ class HFRolloutServer:
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    # verl's control calls: no device memory to free or restore, no in-flight batch to abort
+    # verl's control calls: no device memory to free or restore, no in-flight batch to abort; a modelled
+    # server stops generating while it sleeps (the trainer holds its GPUs)
     async def sleep(self, *args, **kwargs) -> None:
-        return None
+        if self.decode is not None:
+            self.decode.pause()
 
     async def wake_up(self, *args, **kwargs) -> None:
-        return None
+        if self.decode is not None:
+            self.decode.resume()
 
     async def clear_kv_cache(self) -> None:
         return None
@@ -233,6 +242,61 @@ class HFRolloutServer:
 
 def server_name(replica_rank: int) -> str:
     return f"odc_hf_rollout_server_{replica_rank}"
+
+
+class _ModelledServers:
+    """The GPU inference servers an emulated rollout stands for (Emulation.rollout_fit): each request joins
+    one's continuous batch (round-robin) when it arrives, and its response is held until that server's
+    modelled finish, on the wall clock scaled by the emulation's time_scale. Each response's modelled and
+    real finish go to the passes directory (`rollout-<pid>.jsonl`), so the report can say where the CPU's
+    own generation came later than the model."""
+
+    def __init__(self, emulation: Emulation):
+        import time
+
+        from ...balance.rollout_time import DecodeClock
+
+        self.emulation, self._clock = emulation, time.monotonic
+        self._start = self._clock()
+        self._paused_at: float | None = None
+        model = emulation.decode_model()
+        self._servers = [DecodeClock(model) for _ in range(emulation.rollout_servers)]
+        self._arrivals = 0
+
+    def _model_now(self) -> float:
+        now = self._clock() if self._paused_at is None else self._paused_at
+        return (now - self._start) / self.emulation.time_scale
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = self._clock()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._start += self._clock() - self._paused_at  # the pause takes no model time
+            self._paused_at = None
+
+    def admit(self, prompt_tokens: int, response_tokens: int) -> tuple[int, int, float]:
+        server = self._arrivals % len(self._servers)
+        self._arrivals += 1
+        clock = self._servers[server]
+        clock.advance(self._model_now())
+        true = self.emulation.true_lengths([prompt_tokens, response_tokens])
+        return server, clock.admit(*true), clock.now
+
+    async def hold(self, request: tuple[int, int, float]) -> None:
+        server, rid, admitted = request
+        clock = self._servers[server]
+        generated = self._model_now()
+        while clock.finished(rid) is None:
+            clock.advance(self._model_now())
+            await asyncio.sleep(0.01)
+        if self.emulation.passes_dir:
+            late = max(0.0, generated - clock.finished(rid)) * self.emulation.time_scale
+            line = {"seconds": (clock.finished(rid) - admitted) * self.emulation.time_scale, "cpu_late_s": late}
+            path = os.path.join(self.emulation.passes_dir, f"rollout-{os.getpid()}.jsonl")
+            with open(path, "a", encoding="utf-8") as fp:
+                fp.write(json.dumps(line) + "\n")
 
 
 class HFReplica(RolloutReplica):
