@@ -115,7 +115,10 @@ class HFRolloutServer:
             key = (self.global_steps, tuple(prompt_ids))
             seed = request_seed(self.config.seed, self.global_steps, prompt_ids, self._seen[key])
             self._seen[key] += 1
-        held = self.decode and self.decode.admit(len(prompt_ids), self.lengths.response_tokens(seed))
+        held = None
+        if self.decode is not None:
+            self.decode.resume()  # a request: the server generates
+            held = self.decode.admit(len(prompt_ids), self.lengths.response_tokens(seed))
         async with self._lock:  # one generation at a time: a seeded request owns the generator it draws from
             output = await asyncio.to_thread(self._generate, prompt_ids, dict(sampling_params), seed)
         if held is not None:
@@ -209,14 +212,13 @@ class HFRolloutServer:
         self.global_steps = global_steps
 
     # verl's control calls: no device memory to free or restore, no in-flight batch to abort; a modelled
-    # server stops generating while it sleeps (the trainer holds its GPUs)
+    # server stops generating from an abort (colocate_async's partial rollout: the trainer takes the GPUs)
+    # until generation resumes
     async def sleep(self, *args, **kwargs) -> None:
-        if self.decode is not None:
-            self.decode.pause()
+        return None
 
     async def wake_up(self, *args, **kwargs) -> None:
-        if self.decode is not None:
-            self.decode.resume()
+        return None
 
     async def clear_kv_cache(self) -> None:
         return None
@@ -228,10 +230,13 @@ class HFRolloutServer:
         return None
 
     async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+        if self.decode is not None:
+            self.decode.pause()
         return {"aborted_count": 0, "request_ids": []}
 
     async def resume_generation(self) -> None:
-        return None
+        if self.decode is not None:
+            self.decode.resume()
 
     async def start_profile(self, **kwargs) -> None:
         return None
