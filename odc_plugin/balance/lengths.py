@@ -67,6 +67,42 @@ def rl_math_like(
     )
 
 
+def agent_like(
+    num_samples: int,
+    *,
+    max_prompt_length: int = 2048,
+    max_response_length: int = 16384,
+    max_turns: int = 8,
+    mean_turns: float = 3.0,
+    turn_median: float = 600,
+    observation_median: float = 300,
+    sigma: float = 0.9,
+    seed: int = 0,
+) -> LengthSample:
+    """Trajectories of a multi-turn, tool-using agent loop (verl's agent loop with a tool, as verl-recipe's
+    ReTool recipe runs it: prompts up to 2k tokens, trajectories up to 16k, a few assistant turns each).
+
+    A trajectory has 1 + a geometric number of turns (mean `mean_turns`, at most `max_turns`); each turn is
+    the model's tokens (lognormal around `turn_median`) and, but the last, a tool observation (lognormal
+    around `observation_median`), which the loss masks out but the passes still compute. Its response is
+    all of them, cut at max_response_length. The tail is longer than a single-turn one's: most end in a
+    turn or two, some run to the cap. Modelled, not fitted to a run; prompts as rl_math_like's.
+    """
+    _check_count(num_samples)
+    rng = np.random.default_rng(seed)
+    prompts = rng.lognormal(np.log(200), 0.35, num_samples)
+    turns = np.minimum(rng.geometric(1 / mean_turns, num_samples), max_turns)
+    responses = [
+        rng.lognormal(np.log(turn_median), sigma, t).sum()
+        + rng.lognormal(np.log(observation_median), sigma, t - 1).sum()
+        for t in turns
+    ]
+    return LengthSample(
+        prompt_lens=np.clip(np.rint(prompts), 16, max_prompt_length).astype(int).tolist(),
+        response_lens=np.clip(np.rint(responses), 1, max_response_length).astype(int).tolist(),
+    )
+
+
 def sft_long_context_like(
     num_samples: int,
     *,
@@ -397,6 +433,17 @@ def plan_lengths(
             draw,
             max_prompt_length + max_response_length,
             f"rl profile (prompts up to {max_prompt_length}, responses up to {max_response_length} tokens)",
+        )
+    if spec == "agent":
+        return LengthSource(
+            lambda n, seed: (
+                agent_like(
+                    n, max_prompt_length=max_prompt_length, max_response_length=max_response_length, seed=seed
+                ).total
+            ),
+            max_prompt_length + max_response_length,
+            f"agent profile (multi-turn trajectories: prompts up to {max_prompt_length}, responses up to "
+            f"{max_response_length} tokens)",
         )
     if spec == "sft":
         return LengthSource(

@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lengths",
         default="rl",
-        help="rl, sft, a verl data set's DATA.parquet:prompt (with --tokenizer), a verl rollout dump directory "
+        help="rl, sft, agent (multi-turn tool trajectories), a verl data set's DATA.parquet:prompt (with --tokenizer), a verl rollout dump directory "
         "(trainer.rollout_data_dir, with --tokenizer), verl's metrics file (file logger, .jsonl), or "
         "FILE.json / FILE.txt / FILE.parquet:COLUMN of lengths or token ids",
     )

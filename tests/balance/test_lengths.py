@@ -32,6 +32,23 @@ def test_rl_math_like_shape():
     assert rl_math_like(50, seed=3) == rl_math_like(50, seed=3) != rl_math_like(50, seed=4)
 
 
+def test_agent_like_trajectories_have_the_longest_tail():
+    """Multi-turn trajectories: most end within a couple of turns, a few run to the 16k cap; the tail
+    (99th percentile over the median) is longer than a single-turn rl profile's at the same cap."""
+    from odc_plugin.balance.lengths import agent_like, plan_lengths
+
+    s = agent_like(20000, seed=1)
+    responses = np.array(s.response_lens)
+    assert max(s.prompt_lens) <= 2048 and responses.min() >= 1 and responses.max() <= 16384
+    assert 1000 <= np.median(responses) <= 4000 and 0 < np.mean(responses == 16384) < 0.05
+    rl = np.array(rl_math_like(20000, max_response_length=16384, seed=1).response_lens)
+    tail = np.percentile(responses, 99) / np.median(responses)
+    assert tail > np.percentile(rl, 99) / np.median(rl)
+    assert agent_like(50, seed=3) == agent_like(50, seed=3) != agent_like(50, seed=4)
+    source = plan_lengths("agent", max_prompt_length=2048, max_response_length=16384)
+    assert "multi-turn" in source.what and len(source.draw(8, 0)) == 8 and source.longest == 2048 + 16384
+
+
 def test_sft_long_context_like_shape():
     s = sft_long_context_like(20000, max_length=32768, seed=1)
     total = np.array(s.total)
