@@ -46,7 +46,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import resources
 
 from odc_plugin.balance.costs import PRESETS, CostCalibration, CostModel, FitCost, VerlFlopsCost, get_cost_model
@@ -82,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lengths",
         default="rl",
-        help="rl, sft, agent (multi-turn tool trajectories), a verl data set's DATA.parquet:prompt (with --tokenizer), a verl rollout dump directory "
-        "(trainer.rollout_data_dir, with --tokenizer), verl's metrics file (file logger, .jsonl), or "
+        help="rl, sft, agent (multi-turn tool trajectories), a verl data set's DATA.parquet:prompt (with "
+        "--tokenizer), a verl rollout dump directory (trainer.rollout_data_dir, with --tokenizer), verl's metrics "
+        "file (file logger, .jsonl), or "
         "FILE.json / FILE.txt / FILE.parquet:COLUMN of lengths or token ids",
     )
     p.add_argument(
@@ -170,6 +171,13 @@ def _parser() -> argparse.ArgumentParser:
         help="for --lengths rl and a data set's prompts' responses",
     )
     p.add_argument("--max-length", type=number_arg(int, 2, strict=False), default=32768, help="for --lengths sft")
+    p.add_argument(
+        "--length-factor",
+        type=POSITIVE_INT,
+        default=1,
+        metavar="K",
+        help="each token of the lengths stands for K (an emulated rehearsal's run, odc-grpo-cpu --length-factor)",
+    )
     p.add_argument(
         "--draws", type=POSITIVE_INT, help="mini-batches averaged per row; default 5, for a run's lengths its steps"
     )
@@ -292,6 +300,14 @@ def _lengths(args) -> LengthSource:
         max_response_length=args.max_response_length,
         max_length=args.max_length,
     )
+    if args.length_factor > 1:
+        k, draw = args.length_factor, source.draw
+        source = replace(
+            source,
+            draw=lambda n, seed: [k * s for s in draw(n, seed)],
+            longest=k * source.longest,
+            what=f"{source.what}, each token standing for {k}",
+        )
     if args.minibatch_sizes is None:
         args.minibatch_sizes = [source.step_samples] if source.steps and source.step_samples else [256, 512, 1024]
     if args.draws is None:

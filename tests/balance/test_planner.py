@@ -311,3 +311,19 @@ def test_cli_predicts_the_step_end_to_end_in_each_trainer_mode(tmp_path, monkeyp
     with pytest.raises(SystemExit):
         main(["--lengths", str(tmp_path / "run.jsonl"), "--ranks", "8", "--trainer-mode", "sync", "separate_async"])
     assert "a run's timings are of the one mode it ran in" in capsys.readouterr().err
+
+
+def test_cli_length_factor_plans_each_token_as_k(tmp_path, capsys):
+    """An emulated rehearsal's run logs real tokens, each standing for K true ones: --length-factor K plans
+    the true lengths (with the tokens cost, K times the seconds)."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in (30, 5, 12, 60, 8, 9, 40, 3)) + "\n")
+    args = ["--lengths", str(lengths), "--ranks", "2", "--minibatch-sizes", "8", "--draws", "2", "--cost", "tokens"]
+    rows = {}
+    for k in (1, 4):
+        main([*args, "--length-factor", str(k), "--json"])
+        out = json.loads(capsys.readouterr().out)
+        rows[k] = out["rows"][0]["seconds"]
+    assert "each token standing for 4" in out["lengths_from"]
+    for scheme in ("fsdp_lb_micro", "odc_lb_mini"):  # compute only (the split adds all-to-alls in seconds)
+        assert rows[4][scheme] == pytest.approx(4 * rows[1][scheme]), scheme
