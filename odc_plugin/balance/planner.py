@@ -12,6 +12,7 @@ reduction) is the same in all three and left out.
     odc-plan --lengths run.jsonl --ranks 8 --minibatch-sizes 1280 --micro-batch-size 16
     odc-plan --cost fit --fit-file configs/cost_fit/Qwen2.5-7B-H100.json
     odc-plan --sp 2 4 --lengths rl --max-response-length 32768 --ranks 8 32
+    odc-plan --lengths agent --max-prompt-length 2048 --max-response-length 16384 --trainer-mode sync separate_async
 
 Lengths (`--lengths`): a profile (`rl`, `sft`); a verl data set's prompt column with the model's tokenizer
 (prompts counted with its chat template, responses drawn as `rl` draws them); what a verl run wrote, planned
@@ -29,7 +30,7 @@ ODC+LB-Mini+split (odc_plugin.balance.split) is LB-Mini with a mini-batch's long
 over a Ulysses group of k GPUs inside a node, k a power of two that --model's attention heads allow; its
 all-to-alls are modelled from --model's shapes at --intra-node-bw, not measured (the model's heads and
 shapes are Qwen2.5-7B's unless --model names another). Its limit is its own: the longest sample no longer
-bounds it whole, only over the largest group. This version predicts it; the engine does not run it yet.
+bounds it whole, only over the largest group. The engines run it with `odc_split=auto`.
 
 Across nodes (`--nodes`), it compares FSDP2's HSDP with LB-Micro (verl's `fsdp2` with `fsdp_size` = GPUs
 per node) and ODC inside each node with one all-reduce across nodes per mini-batch (`odc` with the same
