@@ -171,37 +171,61 @@ class _SPMDShares(_ODCSFT):
         return output
 
     def _share(self, data):
-        """This data-parallel rank's samples by the step's plan: its own that it keeps, and those moved to it
-        from their ranks (only moved samples travel: one all-gather of them, none when nothing moves)."""
-        import torch.distributed as dist
+        """This data-parallel rank's samples by the step's plan: its own that it keeps, and those moved to it,
+        each sent by its rank to the ranks that need it alone (none travel when nothing moves)."""
         from verl.utils import tensordict_utils as tu
 
-        plan, _ = self._plan
         from .split import SplitMicroBatches
 
+        plan, _ = self._plan
         rank, each = self.engine.get_data_parallel_rank(), len(data)
         needs = [plan.split_share(0, r)[0] for r in range(plan.dp_size)]
         positions, groups = plan.split_share(0, rank)
         if all(p // each == r for r, share in enumerate(needs) for p in share):
             share = tu.index_select_tensor_dict(data, [p - rank * each for p in positions])
         else:
-            leaving = {
-                p: tu.index_select_tensor_dict(data, [p - rank * each])
-                for r, share in enumerate(needs)
+            outgoing = [
+                {p: tu.index_select_tensor_dict(data, [p - rank * each]) for p in share if p // each == rank}
                 if r != rank
-                for p in share
-                if p // each == rank
-            }
-            every: list = [None] * plan.dp_size
-            dist.all_gather_object(every, leaving, group=self.engine.get_data_parallel_group())
+                else {}
+                for r, share in enumerate(needs)
+            ]
+            incoming = _exchange(outgoing, self.engine.get_data_parallel_group())
             share = tu.concat_tensordict(
                 [
-                    tu.index_select_tensor_dict(data, [p - rank * each]) if p // each == rank else every[p // each][p]
+                    tu.index_select_tensor_dict(data, [p - rank * each])
+                    if p // each == rank
+                    else incoming[p // each][p]
                     for p in positions
                 ]
             )
         SplitMicroBatches.give(share, groups)
         return share
+
+
+def _exchange(outgoing: list, group) -> list:
+    """`outgoing[r]` (any picklable object) to rank r of `group` alone, for every r; returns what each rank
+    sent this one. Two all-to-alls: the byte counts, then the bytes (on the group's device: NCCL's are
+    GPUs)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    payloads = [pickle.dumps(o) for o in outgoing]
+    sizes = torch.tensor([len(b) for b in payloads], dtype=torch.int64, device=device)
+    theirs = torch.empty_like(sizes)
+    dist.all_to_all_single(theirs, sizes, group=group)
+    joined = b"".join(payloads)
+    send = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    received = torch.empty(int(theirs.sum()), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(received, send.to(device), theirs.tolist(), sizes.tolist(), group=group)
+    raw, out, start = received.cpu().numpy().tobytes(), [], 0
+    for n in theirs.tolist():
+        out.append(pickle.loads(raw[start : start + n]))
+        start += n
+    return out
 
 
 class _RayShares(_ODCSFT):

@@ -37,6 +37,7 @@ def enable(after_import) -> None:
     after_import("verl.workers.engine", _register_stock_engines)
     after_import("verl.workers.rollout.replica", _register_rollout)
     after_import("verl.checkpoint_engine.base", _register_checkpoint_engine)
+    after_import("verl.experimental.agent_loop.agent_loop", _register_agent_loop)
     odc_patches.apply_after_import(after_import, odc_patches.CPU_PATCHES)
     logger.warning(
         "odc_plugin: %s=cpu: verl runs on CPU (gloo process groups, FSDP engines on device cpu, "
@@ -71,3 +72,7 @@ def _register_checkpoint_engine() -> None:
     from .checkpoint_engine import register
 
     register()
+
+
+def _register_agent_loop() -> None:
+    from . import agent_loop  # noqa: F401  (registers AGENT_NAME with verl's agent loop registry)
