@@ -451,7 +451,7 @@ def _grpo_split(run_dir, steps: int, *overrides: str) -> tuple[dict, dict]:
     long-tailed, the tokens cost: each run's metrics by step."""
     args = ["--ranks", "4", "--steps", str(steps), "--compare", "fsdp2,split", "--out", str(run_dir)]
     fit = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cost_fit", "Qwen2.5-7B-H100.json")
-    args += ["--emulate", os.path.abspath(fit), "--time-scale", "0.05"]
+    args += ["--emulate", os.path.abspath(fit), "--time-scale", "0.05", "--rollout-fit", "none"]
     args += [
         "actor_rollout_ref.actor.fsdp_config.odc_cost_model=tokens",
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",
