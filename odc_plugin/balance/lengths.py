@@ -61,6 +61,11 @@ def rl_math_like(
     rng = np.random.default_rng(seed)
     prompts = rng.lognormal(np.log(prompt_median), prompt_sigma, num_samples)
     responses = rng.lognormal(np.log(response_median_frac * max_response_length), response_sigma, num_samples)
+    return _rounded(prompts, responses, max_prompt_length, max_response_length)
+
+
+def _rounded(prompts, responses, max_prompt_length: int, max_response_length: int) -> LengthSample:
+    """Drawn lengths as whole tokens, prompts at least 16 and responses at least 1, each cut at its cap."""
     return LengthSample(
         prompt_lens=np.clip(np.rint(prompts), 16, max_prompt_length).astype(int).tolist(),
         response_lens=np.clip(np.rint(responses), 1, max_response_length).astype(int).tolist(),
@@ -97,10 +102,7 @@ def agent_like(
         + rng.lognormal(np.log(observation_median), sigma, t - 1).sum()
         for t in turns
     ]
-    return LengthSample(
-        prompt_lens=np.clip(np.rint(prompts), 16, max_prompt_length).astype(int).tolist(),
-        response_lens=np.clip(np.rint(responses), 1, max_response_length).astype(int).tolist(),
-    )
+    return _rounded(prompts, responses, max_prompt_length, max_response_length)
 
 
 def sft_long_context_like(
