@@ -190,6 +190,7 @@ def plan_steps(
     cost_model = get_cost_model(cost)
     if ulysses is not None and throughput is None:
         ulysses = replace(ulysses, bytes_per_token=0.0, all_to_alls=0)
+    per_second = throughput or 1.0  # the all-to-alls left out where it is not known
     steps, micro, splits, predicted = [], [], [], []
     for stock_step in stock:
         if len(stock_step) != dp_size or any(not piece for piece in stock_step):
@@ -224,13 +225,12 @@ def plan_steps(
                 cost_model,
                 ulysses=ulysses,
                 rank_speed=rank_speed,
-                throughput=throughput or 1.0,
+                throughput=per_second,
                 micro_batch_size=micro_batch_size,
                 baseline=ranks,
                 min_gain=min_gain,
             )
             ranks, split = planned.ranks, planned.splits
-            per_second = throughput or 1.0
             predicted.append((planned.seconds / per_second, planned.unsplit_seconds / per_second))
         # in verl's order within the step: a kept baseline is then verl's own piece, sample for sample
         shares = [sorted(i for mb in rank for i in mb) for rank in ranks]
@@ -354,12 +354,11 @@ class LBMiniSettings:
 
     @property
     def throughput(self) -> float | None:
-        """Cost units per second to plan with: 1 for a cost in seconds (a fit), else the measured one (None
-        before the first update)."""
-        if self.cost.name == "fit" or self.current_fit is not None:
+        """The static cost's units per second: 1 for a cost in seconds (`fit`), else what the role's last
+        update measured (None before it). A plan made with the auto fit is in seconds whatever this says."""
+        if self.cost.name == "fit":
             return 1.0
-        owner = self.fit_from or self
-        return owner.measured_throughput
+        return (self.fit_from or self).measured_throughput
 
     def plan(self, seqlens: Sequence[int], stock: Steps) -> tuple[StepPlan, TimeFit | None]:
         """The plan of one call, and the fit it was made with (None: the static cost)."""

@@ -154,6 +154,12 @@ def test_a_static_cost_prices_the_all_to_alls_with_the_throughput_its_engine_mea
     fast, _ = settings.plan(lens, stock)
     assert fast.splits == ((),) and fast.predicted[0] == pytest.approx((60 / 10_000, 60 / 10_000))
     assert settings.for_inference(64, None, ulysses).throughput == 10_000.0  # a forward pass: the role's
+    # an auto fit of another mesh (8 ranks' speeds) is not used on 4: the static cost plans, at its own throughput
+    from odc_plugin.balance.online_fit import TimeFit
+
+    settings.fit = TimeFit(a=0.0, b=1.0, c=0.0, speeds=(1.0,) * 8, timings=8)
+    other, fit = settings.plan(lens, stock)
+    assert fit is None and other.predicted == fast.predicted
 
 
 def test_fill_empty_ranks_takes_the_cheapest_sample_of_the_fullest_rank():
