@@ -227,8 +227,11 @@ def _modelled(modes, row: PlanRow, speedup: float, source, draws: int, seed: int
         f"{gpus} ranks, mini-batch {row.minibatch_size}: rollout {whole:.4g} s to its last response, {steady:.4g} s "
         f"never running dry; fsdp2's passes {passes:.4g} s, odc's {speedup:.3f}x faster"
     ]
+    # the trainer waits for the whole rollout (sync), for a rollout that never runs dry (colocate_async), or
+    # not at all, the rollout running beside it at that pace (separate_async)
+    waits = {"sync": whole, "colocate_async": steady, "separate_async": 0.0}
     for mode in modes:
-        times = StepTimes(steady if mode == "colocate_async" else whole if mode == "sync" else 0.0, passes, 0.0)
+        times = StepTimes(waits[mode], passes, 0.0)
         period = steady if mode == "separate_async" else None
         base, odc = predict_step(mode, times, rollout_period_s=period), predict_step(mode, times, speedup, period)
         lines.append(
