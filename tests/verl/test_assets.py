@@ -55,3 +55,21 @@ def test_refresh_warm_starts_a_model_that_transformers_and_the_cache_read(tmp_pa
     for name in names:
         if name != "model.safetensors":
             assert filecmp.cmp(tmp_path / "qwen2" / name, assets.SHIPPED / "qwen2" / name, shallow=False), name
+
+
+def test_refresh_warm_starts_a_vision_language_model_that_verl_loads_with_its_processor(tmp_path):
+    """As the text model's: all but the weights byte for byte as shipped, the processor (its own code
+    among the files, transformers' remote code) loaded as verl loads it, by its class's name."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    out = tmp_path / assets.VL_MODEL
+    assert assets.refresh(assets.VL_MODEL, out, steps=2) != assets.model_fingerprint(assets.SHIPPED / assets.VL_MODEL)
+    processor = AutoProcessor.from_pretrained(out, trust_remote_code=True)
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and processor.tokenizer.eos_token == assets.IM_END
+    assert model.config.text_config.vocab_size == len(processor.tokenizer)
+    names = sorted(p.name for p in (assets.SHIPPED / assets.VL_MODEL).iterdir())
+    assert sorted(p.name for p in out.iterdir()) == names and "vl_processor.py" in names
+    for name in names:
+        if name != "model.safetensors":
+            assert filecmp.cmp(out / name, assets.SHIPPED / assets.VL_MODEL / name, shallow=False), name

@@ -1,6 +1,7 @@
 """Everything a GRPO run on a laptop needs, made offline: arithmetic word problems in verl's GSM8K
 parquet layout, and a tiny model with its tokenizer (a chat template included) warm-started on the task: a
-Qwen2, or a Qwen3-MoE (`MODELS`).
+Qwen2, or a Qwen3-MoE (`MODELS`); or a vision-language model (a Qwen2.5-VL) with its processor and a data
+set of pictures, made in vl_assets.py.
 
 A randomly initialised model never writes "#### <number>", so every reward is 0, every GRPO advantage
 is 0 and training does nothing; a short supervised warm start teaches it the answer format and some
@@ -66,16 +67,19 @@ MOE_SHAPE = {
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
 }
-MODELS = ("qwen2", "qwen3_moe")
+# a vision-language model of Qwen2.5-VL's architecture, with its processor and a data set of pictures (vl_assets.py)
+VL_MODEL = "qwen2_5_vl"
+MODELS = ("qwen2", "qwen3_moe", VL_MODEL)
 NAMES = ("Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun")
 ITEMS = ("apples", "pens", "coins", "books", "cards", "shells", "stamps", "marbles")
 
 
 @dataclass(frozen=True)
 class Assets:
-    model_dir: str  # tiny Qwen2 + tokenizer, loadable by transformers and verl
-    train_file: str  # parquet, verl's GSM8K layout
+    model_dir: str  # tiny model + tokenizer (a processor for the vision-language one), loadable by verl
+    train_file: str  # parquet, verl's GSM8K layout (geo3k's, with images, for the vision-language model)
     val_file: str
+    vision_language: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,14 @@ def prompt_messages(problem: Problem) -> list[dict]:
 
 def build_tokenizer(problems: list[Problem]):
     """Byte-level BPE trained on the problems, digits split one by one, ChatML-style chat template."""
+    corpus = [f"user\n{m['content']}" for p in problems for m in prompt_messages(p)]
+    corpus += [f"assistant\n{p.solution}" for p in problems]
+    return tokenizer_from_corpus(corpus, (PAD, IM_START, IM_END), CHAT_TEMPLATE)
+
+
+def tokenizer_from_corpus(corpus: list[str], special_tokens: tuple[str, ...], chat_template: str):
+    """Byte-level BPE of 384 tokens trained on `corpus`, digits split one by one; the special tokens first,
+    PAD, IM_START and IM_END among them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -123,12 +135,10 @@ def build_tokenizer(problems: list[Problem]):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=[PAD, IM_START, IM_END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=384, special_tokens=list(special_tokens), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    corpus = [f"user\n{m['content']}" for p in problems for m in prompt_messages(p)]
-    corpus += [f"assistant\n{p.solution}" for p in problems]
     tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, chat_template=chat_template)
 
 
 def build_model(tokenizer, seed: int, model: str = "qwen2"):
@@ -152,36 +162,61 @@ def build_model(tokenizer, seed: int, model: str = "qwen2"):
     return model_class(config).to(torch.float32)
 
 
-def warm_start(model, tokenizer, problems: list[Problem], steps: int, seed: int, batch_size: int = 32) -> float:
-    """Supervised steps on prompt -> solution (loss on the response only); returns the last loss."""
-    examples = []
+def text_examples(tokenizer, problems: list[Problem]) -> list[dict]:
+    """Each problem's prompt and solution as token ids, with the prompt's length: the warm start's examples."""
+    out = []
     for p in problems:
         prompt = tokenizer.apply_chat_template(prompt_messages(p), add_generation_prompt=True, tokenize=False)
         ids = tokenizer(prompt + p.solution + IM_END, add_special_tokens=False)["input_ids"]
-        n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        examples.append((ids, n_prompt))
+        out.append({"input_ids": ids, "n_prompt": len(tokenizer(prompt, add_special_tokens=False)["input_ids"])})
+    return out
+
+
+def warm_start(model, examples: list[dict], pad_id: int, steps: int, seed: int, batch_size: int = 32) -> float:
+    """Supervised steps on prompt -> solution (loss on the response only); returns the last loss. An example
+    is its `input_ids` and `n_prompt`, and a vision-language one's `pixel_values`, `image_grid_thw` and
+    `mm_token_type_ids` (vl_assets.examples)."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     loss = torch.tensor(0.0)
     for step in range(steps):
         batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=g).tolist()]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        width = max(len(e["input_ids"]) for e in batch)
+        input_ids = torch.full((batch_size, width), pad_id)
         labels = torch.full((batch_size, width), -100)
         mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, (ids, n_prompt) in enumerate(batch):
+        for row, e in enumerate(batch):
+            ids, n_prompt = e["input_ids"], e["n_prompt"]
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
             mask[row, : len(ids)] = 1
         for group in opt.param_groups:  # linear decay: ends near the best the tiny model reaches
             group["lr"] = 3e-3 * (1 - step / steps)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels, **_vision_inputs(batch, width)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     model.eval()
     return loss.item()
+
+
+def _vision_inputs(batch: list[dict], width: int) -> dict:
+    """A vision-language model's: which tokens are images' (every such example has `mm_token_type_ids`), and
+    the batch's images in order; nothing for a text model's."""
+    if "mm_token_type_ids" not in batch[0]:
+        return {}
+    types = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, e in enumerate(batch):
+        types[row, : len(e["mm_token_type_ids"])] = torch.tensor(e["mm_token_type_ids"])
+    pictured = [e for e in batch if "pixel_values" in e]
+    if not pictured:
+        return {"mm_token_type_ids": types}
+    return {
+        "mm_token_type_ids": types,
+        "pixel_values": torch.cat([e["pixel_values"] for e in pictured]),
+        "image_grid_thw": torch.cat([e["image_grid_thw"] for e in pictured]),
+    }
 
 
 def write_parquet(problems: list[Problem], path: str, split: str) -> None:
@@ -216,10 +251,15 @@ def split_problems(n_train: int = 512, n_val: int = 64, seed: int = 0) -> tuple[
 def refresh(model: str, out: Path | None = None, steps: int = 400, seed: int = 0) -> str:
     """Warm-start `model` again on this machine and write it to `out` (default: over its shipped folder);
     returns its fingerprint."""
+    if model == VL_MODEL:
+        from . import vl_assets
+
+        vl_assets.refresh(out or SHIPPED / model, steps, seed)
+        return model_fingerprint(out or SHIPPED / model)
     train, val = split_problems(seed=seed)
     tokenizer = build_tokenizer(train + val)
     built = build_model(tokenizer, seed, model)
-    warm_start(built, tokenizer, train, steps, seed)
+    warm_start(built, text_examples(tokenizer, train), tokenizer.pad_token_id, steps, seed)
     out = out or SHIPPED / model
     shutil.rmtree(out, ignore_errors=True)
     built.save_pretrained(out)
@@ -246,18 +286,19 @@ def ensure_assets(root: str | None = None, log=print, model: str = "qwen2") -> A
     root = root or cache_root()
     final = os.path.join(root, f"grpo-cpu-v{VERSION}" if model == "qwen2" else f"grpo-cpu-{model}-v{VERSION}")
     assets = Assets(
-        os.path.join(final, "model"), os.path.join(final, "train.parquet"), os.path.join(final, "test.parquet")
+        os.path.join(final, "model"),
+        os.path.join(final, "train.parquet"),
+        os.path.join(final, "test.parquet"),
+        vision_language=model == VL_MODEL,
     )
     if not (_cached_model_is_shipped(assets.model_dir, model) and os.path.isfile(assets.val_file)):
         os.makedirs(root, exist_ok=True)
-        log(f"writing the tiny {model} model and the math data set to {final}")
+        log(f"writing the tiny {model} model and its data set to {final}")
         staging = tempfile.mkdtemp(prefix=".writing-", dir=root)
         stale = f"{staging}.stale"
         try:
             shutil.copytree(SHIPPED / model, os.path.join(staging, "model"))
-            train, val = split_problems()
-            write_parquet(train, os.path.join(staging, "train.parquet"), "train")
-            write_parquet(val, os.path.join(staging, "test.parquet"), "test")
+            _write_data(model, staging)
             if os.path.isdir(final):
                 os.rename(final, stale)
             os.rename(staging, final)
@@ -268,6 +309,19 @@ def ensure_assets(root: str | None = None, log=print, model: str = "qwen2") -> A
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(stale, ignore_errors=True)
     return assets
+
+
+def _write_data(model: str, directory: str) -> None:
+    """The training and validation parquet files of `model`'s job: the word problems, or for the
+    vision-language model the pictures' (vl_assets.py)."""
+    if model == VL_MODEL:
+        from . import vl_assets
+
+        vl_assets.write_data(directory)
+        return
+    train, val = split_problems()
+    write_parquet(train, os.path.join(directory, "train.parquet"), "train")
+    write_parquet(val, os.path.join(directory, "test.parquet"), "test")
 
 
 def main(argv: list[str] | None = None) -> None:
