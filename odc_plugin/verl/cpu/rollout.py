@@ -3,7 +3,9 @@
 Three pieces, as verl 0.9.1 wires a rollout backend:
 
 - `HFRolloutServer`, a Ray actor per replica: token ids in, token ids and log-probs out
-  (`generate`, what verl's agent loop calls through `LLMServerClient`), plus the control calls verl
+  (`generate`, what verl's agent loop calls through `LLMServerClient`; a vision-language model's prompt with
+  its images, as verl sends them to vLLM: the image tokens expanded in the ids, the pictures beside them,
+  which the model's processor makes pixel values), plus the control calls verl
   makes on every server (sleep, wake_up, caches, abort...), which have nothing to do here.
 - `HFReplica`, registered in verl's `RolloutReplicaRegistry` as `hf`: starts the server.
 - `HFServerAdapter`, the in-worker side verl builds in each training rank (`get_rollout_class`), or in a
@@ -15,7 +17,7 @@ Three pieces, as verl 0.9.1 wires a rollout backend:
   base weights once and then the adapter, which the server's model generates with.
 
 With `rollout.full_determinism=True` each request is sampled from its own seed: (rollout.seed, the
-training step of the weights, prompt, how many times this prompt came before with these weights). Two
+training step of the weights, prompt and its images, how many times these came before with these weights). Two
 runs that sync the same weights at the same step then see the same responses, whatever order requests
 arrive in (verl routes every such request to one server), also when one of them resumed from the
 other's checkpoint. Otherwise sampling uses the process's global generator.
@@ -56,31 +58,49 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def request_seed(base_seed: int, global_steps: int, prompt_ids: list[int], occurrence: int) -> int:
-    key = f"{base_seed}/{global_steps}/{occurrence}/" + ",".join(map(str, prompt_ids))
+def request_seed(base_seed: int, global_steps: int, prompt_ids: list[int], occurrence: int, images: str = "") -> int:
+    """A request's sampling seed; `images` (images_key) tells apart prompts whose tokens are the same but
+    whose images are not (an image is its placeholder tokens, the same for any picture of its size)."""
+    key = (
+        f"{base_seed}/{global_steps}/{occurrence}/" + ",".join(map(str, prompt_ids)) + (f"/{images}" if images else "")
+    )
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def images_key(images) -> str:
+    """The pixels of a request's images (PIL images, as verl's agent loop sends them), hashed."""
+    digest = hashlib.sha256()
+    for image in images or ():
+        digest.update(f"{image.mode}{image.size}".encode())
+        digest.update(image.tobytes())
+    return digest.hexdigest() if images else ""
 
 
 class HFRolloutServer:
     """One replica's generator: the model on CPU, requests served one at a time."""
 
     def __init__(self, config, model_config, replica_rank: int):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
         self.config, self.replica_rank = config, replica_rank
         path = model_config.local_path if getattr(model_config, "local_path", None) else model_config.path
         override = dict(getattr(model_config, "override_config", None) or {})
+        trust_remote_code = bool(getattr(model_config, "trust_remote_code", False))
         # the implementations the trainer's model was told to use (override_config), if any
         implementations = {key: override[key] for key in ("experts_implementation",) if key in override}
-        self.model = AutoModelForCausalLM.from_pretrained(
+        # a vision-language model generates from its prompt's images too, made pixel values by its processor
+        vision = hasattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "vision_config")
+        self.model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
             path,
             torch_dtype=_dtype(config.dtype),
             attn_implementation=override.get("attn_implementation", "sdpa"),
             **implementations,
         )
+        self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code) if vision else None
         self.model.eval()
-        self.eos_token_id = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
-        self.pad_token_id = self.model.generation_config.pad_token_id or self.model.config.pad_token_id
+        self.text_config = self.model.config.get_text_config()  # a vision-language model's decoder's
+        self.eos_token_id = self.model.generation_config.eos_token_id or self.text_config.eos_token_id
+        self.pad_token_id = self.model.generation_config.pad_token_id or self.text_config.pad_token_id
         self.global_steps = 0  # the training step the current weights come from
         self._seen: Counter = Counter()  # (global_steps, prompt) -> requests so far, for full_determinism
         self._lock = asyncio.Lock()
@@ -105,31 +125,34 @@ class HFRolloutServer:
         video_data=None,
         **kwargs,
     ) -> TokenOutput:
-        if image_data or video_data or kwargs.get("audio_data"):
+        if video_data or kwargs.get("audio_data"):
             raise NotImplementedError(
-                f"rollout '{ROLLOUT_NAME}' generates from text token ids only (no images, video or audio)"
+                f"rollout '{ROLLOUT_NAME}' generates from text and images only (no video or audio)"
             )
+        if image_data and self.processor is None:
+            raise ValueError(f"rollout '{ROLLOUT_NAME}': a prompt with images, for a model without a vision tower")
         prompt_ids = [int(t) for t in prompt_ids]
         seed = None
         if self.config.full_determinism:  # in arrival order (no await before): the same in every run
-            key = (self.global_steps, tuple(prompt_ids))
-            seed = request_seed(self.config.seed, self.global_steps, prompt_ids, self._seen[key])
+            pictures = images_key(image_data)
+            key = (self.global_steps, tuple(prompt_ids), pictures)
+            seed = request_seed(self.config.seed, self.global_steps, prompt_ids, self._seen[key], pictures)
             self._seen[key] += 1
         held = None
         if self.decode is not None:
             self.decode.resume()  # a request: the server generates
             held = self.decode.admit(len(prompt_ids), self.lengths.response_tokens(seed))
         async with self._lock:  # one generation at a time: a seeded request owns the generator it draws from
-            output = await asyncio.to_thread(self._generate, prompt_ids, dict(sampling_params), seed)
+            output = await asyncio.to_thread(self._generate, prompt_ids, image_data, dict(sampling_params), seed)
         if held is not None:
             await self.decode.hold(held)
         return output
 
     @torch.no_grad()
-    def _generate(self, prompt_ids: list[int], params: dict[str, Any], seed: int | None) -> TokenOutput:
+    def _generate(self, prompt_ids: list[int], images, params: dict[str, Any], seed: int | None) -> TokenOutput:
         temperature = float(params.get("temperature", 1.0))
         top_k, top_p = int(params.get("top_k", -1)), float(params.get("top_p", 1.0))
-        room = (self.config.max_model_len or self.model.config.max_position_embeddings) - len(prompt_ids)
+        room = (self.config.max_model_len or self.text_config.max_position_embeddings) - len(prompt_ids)
         max_new = min(
             int(params.get("max_tokens") or params.get("max_new_tokens") or self.config.response_length), room
         )
@@ -156,6 +179,7 @@ class HFRolloutServer:
             pad_token_id=self.pad_token_id,
             output_logits=True,
             return_dict_in_generate=True,
+            **self._vision_inputs(prompt_ids, images),
         )
         tokens = out.sequences[0, len(prompt_ids) :]
         log_probs = None
@@ -170,6 +194,19 @@ class HFRolloutServer:
             stop_reason="completed",
             extra_fields={"global_steps": self.global_steps},
         )
+
+    def _vision_inputs(self, prompt_ids: list[int], images) -> dict[str, torch.Tensor]:
+        """A prompt's images as the model takes them: their pixel values and patch grids as the processor makes
+        them, and which tokens are theirs (the prompt comes with its image tokens expanded, by verl's agent
+        loop, as vLLM takes it); nothing for a prompt without images."""
+        if not images:
+            return {}
+        pixels = self.processor.image_processor(images=images, return_tensors="pt")
+        return {
+            "pixel_values": pixels["pixel_values"].to(self.model.dtype),
+            "image_grid_thw": pixels["image_grid_thw"],
+            "mm_token_type_ids": (torch.tensor([prompt_ids]) == self.model.config.image_token_id).long(),
+        }
 
     async def update_weights(
         self, state: dict[str, torch.Tensor], global_steps: int | None = None, peft_config: dict | None = None
