@@ -43,9 +43,12 @@ CPU_PATCHES: tuple[str, ...] = (
     "hf_rollout_registry",
     "cpu_layer_time",
     "cpu_ulysses_sdpa",
+    "cpu_vl_attention",
+    "cpu_vl_text_batches",
     "cpu_batch_order",
     "cpu_replay_poll",
     "cpu_sharded_save",
+    "cpu_vision_info",
 )
 
 

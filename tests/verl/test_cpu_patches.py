@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import pkgutil
 import types
@@ -24,6 +25,9 @@ from odc_patches import (
     cpu_sharded_save,
     cpu_ulysses_sdpa,
     cpu_valuehead_attn,
+    cpu_vision_info,
+    cpu_vl_attention,
+    cpu_vl_text_batches,
     hf_rollout_registry,
 )
 
@@ -35,6 +39,8 @@ CPU_REPLACED = {
     "cpu_offload_unpinned": ("verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy"),
     "cpu_valuehead_attn": ("verl.utils.model", "load_valuehead_model"),
     "cpu_sharded_save": ("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu"),
+    "cpu_vl_attention": ("verl.models.transformers.monkey_patch", "apply_monkey_patch"),
+    "cpu_vl_text_batches": ("verl.models.transformers.qwen2_vl", "_get_input_embeds"),
 }
 
 
@@ -55,6 +61,10 @@ def stock_cpu(monkeypatch):
     monkeypatch.setattr(
         distributed, "initialize_global_process_group", _unpatched(distributed.initialize_global_process_group)
     )
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    vision_info = RLHFDataset.__dict__["_process_multi_modal_info"].__func__  # a classmethod
+    monkeypatch.setattr(RLHFDataset, "_process_multi_modal_info", classmethod(_unpatched(vision_info)))
     registry = dict(base._ROLLOUT_REGISTRY)
     registry.pop(("hf", "async"), None)
     monkeypatch.setattr(base, "_ROLLOUT_REGISTRY", registry)
@@ -74,9 +84,12 @@ def test_cpu_patch_list():
         "hf_rollout_registry",
         "cpu_layer_time",
         "cpu_ulysses_sdpa",
+        "cpu_vl_attention",
+        "cpu_vl_text_batches",
         "cpu_batch_order",
         "cpu_replay_poll",
         "cpu_sharded_save",
+        "cpu_vision_info",
     )
     for name in CPU_PATCHES:
         patch = importlib.import_module(f"odc_patches.{name}")
@@ -112,6 +125,10 @@ def test_cpu_patches_apply_to_stock_verl(stock_cpu, tmp_path):
     config = AutoConfig.from_pretrained(model_dir, attn_implementation="sdpa", num_labels=1)
     model = replaced["cpu_valuehead_attn"](model_dir, torch_dtype=None, model_config=config, trust_remote_code=False)
     assert type(model).__name__ == "Qwen2ForTokenClassification" and model.config._attn_implementation == "sdpa"
+    # verl's dataset takes images without qwen_vl_utils (not installed here: it needs torchvision)
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    assert importlib.util.find_spec("qwen_vl_utils") is None and RLHFDataset._process_multi_modal_info._odc_patched
     # applying again changes nothing
     odc_patches.apply_all(CPU_PATCHES)
     assert replaced == {name: getattr(importlib.import_module(m), a) for name, (m, a) in CPU_REPLACED.items()}
@@ -164,6 +181,29 @@ CHANGED_TARGETS = [
     ),
     (hf_rollout_registry, "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", {}, "no longer a dict keyed by"),
     (
+        cpu_vl_attention,
+        "verl.models.transformers.monkey_patch",
+        "apply_monkey_patch",
+        lambda model, ulysses_sp_size=1, use_remove_padding=True: None,  # the flash attention patch is gone
+        "apply_monkey_patch no longer sets qwen2_vl_attn_forward",
+    ),
+    (
+        cpu_vl_text_batches,
+        "verl.models.transformers.qwen2_vl",
+        "_get_input_embeds",
+        lambda model, input_ids, attention_mask, pixel_values, pixel_values_videos, image_grid_thw, video_grid_thw: (
+            None
+        ),  # unpacks the blank picture's output itself now
+        "no longer adds the blank picture's image_embeds.mean",
+    ),
+    (
+        cpu_vision_info,
+        "verl.utils.dataset.rl_dataset:RLHFDataset",
+        "_process_multi_modal_info",
+        classmethod(lambda cls, messages, image_patch_size, config: (None, None, None)),
+        "no longer uses qwen_vl_utils",
+    ),
+    (
         cpu_layer_time,
         "verl.workers.engine.fsdp.transformer_impl:FSDPEngine",
         "_build_fsdp_module",
@@ -193,7 +233,7 @@ def test_a_cpu_patch_refuses_a_changed_target_and_changes_nothing(stock_cpu, pat
     stock_cpu.setattr(target, attr, changed)
     with pytest.raises(PatchError, match=refusal):
         patch.apply()
-    assert getattr(target, attr) is changed
+    assert inspect.getattr_static(target, attr) is changed  # a classmethod itself, not bound to its class
 
 
 def test_replace_attr_replaces_once_with_the_replaced_ones_name_and_attributes():
@@ -241,3 +281,22 @@ def test_the_layer_time_patch_finds_the_decoder_layers_of_actor_and_critic_model
         assert cpu_layer_time.decoder_layers(model) is model.model.layers
     with pytest.raises(ValueError, match="cpu_layer_time: found no decoder layers"):
         cpu_layer_time.decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_verls_dataset_gives_images_as_qwen_vl_utils_would_without_it(stock_cpu):
+    """Resized to whole merged patches within qwen_vl_utils' bounds (at least 4 tokens), transparency on white;
+    a video refused in one line."""
+    from PIL import Image
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    cpu_vision_info.apply()
+    small, exact = Image.new("RGBA", (30, 40), (255, 0, 0, 0)), Image.new("RGB", (56, 84), (0, 0, 255))
+    content = [{"type": "image", "image": small}, {"type": "text", "text": "and"}, {"type": "image", "image": exact}]
+    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "two"}]
+    images, videos, audios = RLHFDataset._process_multi_modal_info(messages, image_patch_size=14, config=None)
+    assert [image.size for image in images] == [(56, 84), (56, 84)] and videos is None and audios is None
+    assert {image.mode for image in images} == {"RGB"} and images[0].getpixel((0, 0)) == (255, 255, 255)
+    assert images[1].tobytes() == exact.tobytes()
+    video = [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}]
+    with pytest.raises(ValueError, match=r"^odc \(VERL_PLATFORM=cpu\): a video needs qwen_vl_utils"):
+        RLHFDataset._process_multi_modal_info(video, image_patch_size=14, config=None)
