@@ -237,22 +237,106 @@ def load_tokenizer(path: str):
         raise ValueError(f"no tokenizer in {path!r}: {str(e).splitlines()[0]}") from None
 
 
-def prompt_lengths(spec: str, tokenizer) -> list[int]:
+def load_image_processor(path: str):
+    """A model directory's image processor, or None for a text model: the class its processor config names,
+    from transformers (which falls back to its PIL implementation without torchvision, where transformers'
+    Auto class refuses)."""
+    import transformers
+
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        file = Path(path, name)
+        config = json.loads(file.read_text()) if file.is_file() else {}
+        config = config.get(key, {}) if key else config
+        if "image_processor_type" in config:
+            kind = config["image_processor_type"]
+            if not hasattr(transformers, kind):
+                raise ValueError(f"{file}: image processor {kind!r} is not one of transformers'")
+            return getattr(transformers, kind).from_pretrained(path, local_files_only=True)
+    return None
+
+
+# verl's data.image_key default, and the placeholder of geo3k's layout: each `<image>` in a message's content
+# stands for the row's next image
+IMAGE_COLUMN, IMAGE_PLACEHOLDER = "images", "<image>"
+
+
+def prompt_lengths(spec: str, tokenizer, image_processor=None) -> list[int]:
     """Token counts of the prompts of a verl data set, `file.parquet:column` (a column of chat messages, as
     verl's data preprocessing writes `prompt`): each rendered with the tokenizer's chat template and a
     generation prompt and then tokenized without special tokens, as verl's RLHFDataset counts a prompt
-    (`filter_overlong_prompts`) and its agent loop tokenizes it for the rollout."""
+    (`filter_overlong_prompts`) and its agent loop tokenizes it for the rollout.
+
+    A data set with images (an `images` column, geo3k's layout) renders each `<image>` as the chat template
+    renders an image and counts it as the tokens its processor expands the image's pad into: the patch grid
+    `image_processor` gives it (`image_grid_thw`) over the merge of 2x2 patches into a token, as the Qwen-VL
+    family's processors count it."""
     path, column = _split_spec(spec)
     if not column or not Path(path).is_file():
         raise ValueError(f"{spec!r}: expected FILE.parquet:COLUMN of an existing file")
     data = _parquet_column(path, column)
     if not _is_chat(data.type):
         raise ValueError(f"{path}:{column} is {data.type}; --tokenizer counts a column of chat messages")
+    prompts = data.to_pylist()
+    images = _row_images(path, len(prompts))
+    if any(images) and image_processor is None:
+        raise ValueError(
+            f"{path} has images (column {IMAGE_COLUMN!r}) and --tokenizer's model folder no image processor to "
+            "count their tokens with; give the vision-language model's folder"
+        )
     texts = [
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        for messages in data.to_pylist()
+        tokenizer.apply_chat_template(_with_images(messages), add_generation_prompt=True, tokenize=False)
+        for messages in prompts
     ]
-    return token_counts(texts, tokenizer)
+    return [
+        n + sum(_image_tokens(image_processor, image) - 1 for image in row)  # the pad the template rendered
+        for n, row in zip(token_counts(texts, tokenizer), images)
+    ]
+
+
+def _row_images(path: str, rows: int) -> list[list]:
+    """Each row's images (as datasets stores them: dicts of encoded bytes), none where the set has no column."""
+    import pyarrow.parquet as pq
+
+    if IMAGE_COLUMN not in pq.read_schema(path).names:
+        return [[] for _ in range(rows)]
+    return [row or [] for row in _parquet_column(path, IMAGE_COLUMN).to_pylist()]
+
+
+def _with_images(messages: list[dict]) -> list[dict]:
+    """Messages whose `<image>` placeholders are image items of a content list, as verl's RLHFDataset hands
+    them to the chat template."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
+            parts = content.split(IMAGE_PLACEHOLDER)
+            items = [{"type": "text", "text": parts[0]}] if parts[0] else []
+            for part in parts[1:]:
+                items += [{"type": "image"}] + ([{"type": "text", "text": part}] if part else [])
+            message = {**message, "content": items}
+        out.append(message)
+    return out
+
+
+def _image_tokens(image_processor, image: dict) -> int:
+    import io
+
+    from PIL import Image
+
+    encoded = image.get("bytes") if isinstance(image, dict) else None
+    if encoded is None:
+        raise ValueError(
+            f"an image of the data set is {type(image).__name__} without encoded bytes; expected datasets' layout"
+        )
+    grid = image_processor(images=[Image.open(io.BytesIO(encoded)).convert("RGB")], return_tensors="np").get(
+        "image_grid_thw"
+    )
+    if grid is None:
+        raise ValueError(
+            f"{type(image_processor).__name__} gives no image_grid_thw: odc-plan counts the images of the "
+            "Qwen-VL family's processors"
+        )
+    return int(np.prod(grid[0])) // getattr(image_processor, "merge_size", 2) ** 2
 
 
 def token_counts(texts: Sequence[str], tokenizer) -> list[int]:
@@ -455,7 +539,7 @@ def plan_lengths(
         )
     path, column = _split_spec(spec)
     if column and tokenizer:
-        prompts = np.asarray(prompt_lengths(spec, load_tokenizer(tokenizer)))
+        prompts = np.asarray(prompt_lengths(spec, load_tokenizer(tokenizer), load_image_processor(tokenizer)))
 
         def draw(n, seed):
             responses = rl_math_like(n, max_response_length=max_response_length, seed=seed).response_lens

@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         metavar="MODEL_DIR",
-        help="count the tokens of a data set's chat prompts or of a rollout dump with this model's tokenizer",
+        help="count the tokens of a data set's chat prompts (a vision-language set's images by this model's image "
+        "processor) or of a rollout dump with this model's tokenizer",
     )
     p.add_argument("--ranks", type=POSITIVE_INT, nargs="+", help=f"GPUs; default {' '.join(map(str, DEFAULT_RANKS))}")
     p.add_argument(

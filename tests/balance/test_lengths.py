@@ -150,6 +150,38 @@ def test_prompt_lengths_are_the_chat_template_tokens_verl_counts(verl_files):
     assert set((drawn - responses).tolist()) <= prompts
 
 
+def test_a_vision_language_data_set_counts_each_image_as_the_tokens_its_processor_expands_it_into(tmp_path, capsys):
+    """verl's VL data set (geo3k's layout: `<image>` placeholders, an `images` column) with the model's folder:
+    each prompt's count is what the model's processor, as verl's agent loop calls it, makes of the prompt
+    and its pictures (0, 1 and several); odc-plan plans it; a text model's folder is refused in one line."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from odc_plugin.balance.lengths import _with_images, load_image_processor
+    from odc_plugin.verl.cpu.assets import VL_MODEL, ensure_assets
+
+    vl, text = ensure_assets(log=lambda _: None, model=VL_MODEL), ensure_assets(log=lambda _: None)
+    spec = f"{vl.train_file}:prompt"
+    lengths = prompt_lengths(spec, load_tokenizer(vl.model_dir), load_image_processor(vl.model_dir))
+    processor = AutoProcessor.from_pretrained(vl.model_dir, trust_remote_code=True, local_files_only=True)
+    table = pq.read_table(vl.train_file, columns=["prompt", "images"]).to_pylist()[:24]
+    seen = set()
+    for row, counted in zip(table, lengths):
+        text_prompt = processor.apply_chat_template(
+            _with_images(row["prompt"]), add_generation_prompt=True, tokenize=False
+        )
+        pictures = [Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in row["images"] or []]
+        assert counted == len(processor(text=[text_prompt], images=pictures or None)["input_ids"][0])
+        seen.add(len(pictures))
+    assert {0, 1} <= seen and max(seen) >= 2, seen
+    planner.main(["--lengths", spec, "--tokenizer", vl.model_dir, "--ranks", "2", "--minibatch-sizes", "4"])
+    assert "prompts of" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"has images \(column 'images'\) and --tokenizer's model folder no image "):
+        prompt_lengths(spec, load_tokenizer(text.model_dir), load_image_processor(text.model_dir))
+
+
 def test_a_column_that_is_not_lengths_fails_in_one_line(verl_files, capsys):
     root, _, _ = verl_files
     data = f"{root}/train.parquet"
