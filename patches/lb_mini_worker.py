@@ -12,6 +12,9 @@ steps instead of cutting its data itself (selecting with verl's own `index_selec
 MFU, the lr scheduler stepped on the last step only, `train_batch` per step, the
 profiler step, and the metrics folded over ranks and steps as verl folds them (a metric an
 engine reports as one value per rank is kept as such instead of failing verl's flattening).
+A rank's multi-axis rope position ids (Qwen2-VL's) are laid out again before the steps are cut: verl's
+`maybe_fix_3d_position_ids` corrupts those of a share of one sample, or of one length (odc_plugin/verl/
+mrope_positions.py), which LB-Mini's uneven shares make common.
 With `odc_split`, a step's split samples lead its share, their groups of ranks (`odc_split_steps`) go to
 the engine with the step's data, and their tokens count once in the MFU counts.
 `global_batch_size` stays the global mini-batch size, so the loss normalization is unchanged, and
@@ -145,7 +148,10 @@ def _train_by_steps(self, data, steps: list[list[int]], splits: list[list[list[i
     from verl.utils.metric.utils import Metric
     from verl.utils.py_functional import append_to_dict
 
+    from odc_plugin.verl.mrope_positions import lay_out
+
     tu.maybe_fix_3d_position_ids(data)
+    lay_out(data)  # a share of one sample, or of one length, which verl's fix above lays out wrongly
     disable_auto_offload = tu.pop(data, key="disable_auto_offload", default=False)
     # the driver ran verl's iterator with these already: the steps are its result
     for key in ("mini_batch_size", "num_mini_batch", "epochs", "seed", "dataloader_kwargs"):

@@ -72,6 +72,7 @@ from ..comm.calibrate import TransportCalibration
 from ..fsdp import ODCConfig, apply_odc, shard_group
 from ..fsdp.odc import ODCMemory
 from ..moe import ExpertRouting, routing_metrics
+from . import mrope_positions
 from .config import as_odc_config
 from .dispatch import STEPS_KEY
 from .split import SplitMicroBatches
@@ -226,6 +227,7 @@ class _ODCEngineMixin:
         self.odc.build(backward=not forward_only)
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         tu.pop(data, key=STEPS_KEY, default=None)  # a forward-only pass's share of an LB-Mini plan: one step, all
+        mrope_positions.lay_out(data)  # a share of one sample, or of one length, as verl's packing reads it
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
         groups = SplitMicroBatches.take(data)  # the groups of its leading split samples (odc_split)
