@@ -2,7 +2,7 @@
 once with `strategy=fsdp2` and once with `strategy=odc` (or the runs `--compare` names), same seed,
 data and settings, then the A/B report of the runs.
 
-    odc-grpo-cpu [--steps N] [--out DIR] [--model qwen2|qwen3_moe] [--slow-ranks R:F] [key=value ...]
+    odc-grpo-cpu [--steps N] [--out DIR] [--model qwen2|qwen3_moe|qwen2_5_vl] [--slow-ranks R:F] [key=value ...]
     odc-grpo-cpu --emulate FIT.json [--ranks N] [--compare fsdp2,lockstep,odc] [--time-scale X|auto] ...
 
 With `--emulate` the trainer runs at the scale ODC is for: every decoder layer's compute is emulated from
@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         choices=MODELS,
         default="qwen2",
-        help="the tiny model trained (and the critic's, with a critic): a Qwen2 or a Qwen3-MoE",
+        help="the tiny model trained (and the critic's, with a critic): a Qwen2, a Qwen3-MoE, or a Qwen2.5-VL "
+        "(vision-language: verl's geo3k job on pictures of squares, with 0, 1 or several images a prompt)",
     )
     parser.add_argument(
         "--slow-ranks",

@@ -76,6 +76,13 @@ def harness_key_error(overrides: list[str]) -> str | None:
 # GRPO responses per prompt. Prompt tokens allowed: the data's longest prompt has 69; an emulated run's
 # micro-batch budget just holds the longest sample, as odc-demo's rl case does.
 GROUP_SIZE, MAX_PROMPT_TOKENS, LONGEST_PROMPT = 4, 96, 72
+# A vision-language model's job, as verl's geo3k example sets it: the data set's images; its processor is
+# remote code shipped with the tiny model (vl_processor.py says why)
+VISION_LANGUAGE = [
+    "data.image_key=images",
+    "actor_rollout_ref.model.trust_remote_code=True",
+    "critic.model.trust_remote_code=True",
+]
 # The "auto" time scale's share grows with the ranks beyond this many: what the rehearsal itself costs
 # (verl's and the engines' per-pass collectives, Python between layers, on 2 cores) grows with them.
 AUTO_RANKS = 8
@@ -161,6 +168,7 @@ def settings(assets: Assets, ranks: int, steps: int, out_dir: str, emulation: Em
         f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={infer_budget}",
         *engine,
         *rl_case,
+        *(VISION_LANGUAGE if assets.vision_language else []),
         "trainer.device=cpu",
         f"trainer.n_gpus_per_node={ranks}",
         "trainer.nnodes=1",
