@@ -78,11 +78,7 @@ def harness_key_error(overrides: list[str]) -> str | None:
 GROUP_SIZE, MAX_PROMPT_TOKENS, LONGEST_PROMPT = 4, 96, 72
 # A vision-language model's job, as verl's geo3k example sets it: the data set's images; its processor is
 # remote code shipped with the tiny model (vl_processor.py says why)
-VISION_LANGUAGE = [
-    "data.image_key=images",
-    "actor_rollout_ref.model.trust_remote_code=True",
-    "critic.model.trust_remote_code=True",
-]
+VISION_LANGUAGE = ["data.image_key=images", "actor_rollout_ref.model.trust_remote_code=True"]
 # The "auto" time scale's share grows with the ranks beyond this many: what the rehearsal itself costs
 # (verl's and the engines' per-pass collectives, Python between layers, on 2 cores) grows with them.
 AUTO_RANKS = 8
