@@ -252,7 +252,7 @@ def test_example_dry_run_plans_with_a_local_model_and_data(tmp_path):
     """One node, wandb on, EXTRA_ARGS an array of a script that sources the example, and MODEL a local
     directory with preprocessed data: the prediction uses the model's config.json and its tokenizer's counts
     of the data set's prompts."""
-    from odc_plugin.verl.cpu.assets import build_model, build_tokenizer, make_problems, write_parquet
+    from odc_plugin.verl.cpu.text_assets import build_model, build_tokenizer, make_problems, write_parquet
 
     problems = make_problems(32, seed=0)
     tokenizer = build_tokenizer(problems)

@@ -18,7 +18,7 @@ from odc_plugin.balance.lengths import (
     prompt_lengths,
     rollout_dump_lengths,
 )
-from odc_plugin.verl.cpu.assets import prompt_messages
+from odc_plugin.verl.cpu.text_assets import prompt_messages
 
 
 def test_rl_math_like_shape():
@@ -108,7 +108,7 @@ def verl_files(tmp_path_factory):
     problems behind it."""
     import datasets
 
-    from odc_plugin.verl.cpu.assets import build_tokenizer, make_problems
+    from odc_plugin.verl.cpu.text_assets import build_tokenizer, make_problems
     from odc_plugin.verl.data import GSM8K, GSM8K_INSTRUCTION, make_row
 
     root = tmp_path_factory.mktemp("verl_files")

@@ -9,7 +9,7 @@ import json
 import pandas as pd
 import pytest
 
-from odc_plugin.verl.cpu import assets
+from odc_plugin.verl.cpu import assets, text_assets
 from tests.verl.golden import configs, golden_file
 
 
@@ -48,7 +48,7 @@ def test_refresh_warm_starts_a_model_that_transformers_and_the_cache_read(tmp_pa
     )
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "qwen2")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen2")
-    assert model.config.vocab_size == len(tokenizer) and tokenizer.eos_token == assets.IM_END
+    assert model.config.vocab_size == len(tokenizer) and tokenizer.eos_token == text_assets.IM_END
     # all but the weights come out byte for byte as shipped: the data and the tokenizer are the same everywhere
     names = sorted(p.name for p in (assets.SHIPPED / "qwen2").iterdir())
     assert sorted(p.name for p in (tmp_path / "qwen2").iterdir()) == names
@@ -66,7 +66,7 @@ def test_refresh_warm_starts_a_vision_language_model_that_verl_loads_with_its_pr
     assert assets.refresh(assets.VL_MODEL, out, steps=2) != assets.model_fingerprint(assets.SHIPPED / assets.VL_MODEL)
     processor = AutoProcessor.from_pretrained(out, trust_remote_code=True)
     model = AutoModelForImageTextToText.from_pretrained(out)
-    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and processor.tokenizer.eos_token == assets.IM_END
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and processor.tokenizer.eos_token == text_assets.IM_END
     assert model.config.text_config.vocab_size == len(processor.tokenizer)
     names = sorted(p.name for p in (assets.SHIPPED / assets.VL_MODEL).iterdir())
     assert sorted(p.name for p in out.iterdir()) == names and "vl_processor.py" in names

@@ -35,9 +35,10 @@ from ...launch import stop_group
 from ...layer_time import parse_slow_ranks, time_scale_arg
 from ..sft import RAY_MODULE, SPMD_MODULE
 from . import EMULATION_ENV, PLATFORM_ENV, SLOW_RANKS_ENV
-from .assets import ensure_assets, make_problems, prompt_messages
+from .assets import ensure_assets
 from .emulation import Emulation, read_passes
 from .runner import end_ray, follow, last_error, ray_session, run_files, start_logged
+from .text_assets import make_problems, prompt_messages
 
 ODC_OPTION = "engine.odc_"
 ODC_SEARCH_PATH = ("hydra.searchpath=[pkg://odc_plugin.configs]", "engine=odc")

@@ -3,7 +3,7 @@ set of pictures in verl's geo3k layout, all made offline.
 
 The model is transformers' Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): a vision tower of two blocks
 (window attention, then full attention), the patch merger, and the multi-axis rope, with the tiny text
-model's decoder (assets.MODEL_SHAPE). Its processor is Qwen2.5-VL's image processor and image tokens behind
+model's decoder (text_assets.MODEL_SHAPE). Its processor is Qwen2.5-VL's image processor and image tokens behind
 a chat template that renders an image as Qwen2.5-VL's does (`<|vision_start|><|image_pad|><|vision_end|>`),
 so that verl's dataset and agent loop build prompts with image tokens as for the real model; vl_processor.py
 says why it has no video processor.
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..data import GSM8K, GSM8K_INSTRUCTION, make_row
-from .assets import IM_END, IM_START, MODEL_SHAPE, PAD, make_problem, tokenizer_from_corpus, warm_start
+from .text_assets import IM_END, IM_START, MODEL_SHAPE, PAD, make_problem, tokenizer_from_corpus, warm_start
 
 IMAGE, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<image>",
