@@ -9,7 +9,8 @@ The configurations (`configs()`): `grpo_cpu`, `odc-grpo-cpu --steps 3` with the 
 batch sizes; `grpo_cpu_example`, the batching of verl's own example scripts
 (examples/grpo_trainer/run_qwen2-7b_math.sh: fixed micro-batch sizes, four mini-batches per step, the
 low_var_kl KL loss, gradient checkpointing, the reference model's parameters offloaded) with rank 1
-slowed down so that LB-Mini's shares are uneven; and the other rows of test_verl_settings. Each of those
+slowed down so that LB-Mini's shares are uneven; `grpo_cpu_vl`, the vision-language job of test_vl; and the
+other rows of test_verl_settings. Each of those
 rows runs odc only and compares it with its file's fsdp2 run, step by step: verl's trainer under fsdp2,
 run once when the file was made, here as test_main_ppo's grpo_cli checks for its own configuration that
 the file still is what a fresh fsdp2 run computes.
@@ -76,9 +77,12 @@ EXAMPLE_BATCHING = [
 # 0.2 on a busy 2-core machine; from the rank speeds fitted here (3x: 0.64 / 1.36, 5x: 0.53 / 1.47) the
 # best uneven split (2 / 6 samples) is ~30% faster at 3x, ~45% at 5x
 EXAMPLE_SLOW_RANKS = "1:5"
+# verl's VL GRPO job (tests/verl/test_vl.py): one mini-batch of 4 prompts a step, prompts of 0-3 pictures
+VL_BATCH = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", *KL_LOSS]
 CONFIGS = {
     "grpo_cpu": RUN_ARGS,
     "grpo_cpu_example": ["--steps", "3", "--slow-ranks", EXAMPLE_SLOW_RANKS, *EXAMPLE_BATCHING],
+    "grpo_cpu_vl": ["--model", "qwen2_5_vl", "--steps", "2", "--slow-ranks", EXAMPLE_SLOW_RANKS, *VL_BATCH],
 }
 EXACT = ("critic/score/mean", "response_length/mean", "prompt_length/mean")
 CLOSE = ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
@@ -210,7 +214,7 @@ def compare(
             s: {k: m for k, m in by_step.items() if int(k) <= steps} for s, by_step in golden["metrics"].items()
         }
     lines = []
-    model_dir = ensure_assets(log=lambda _: None).model_dir
+    model_dir = _model_dir(config)
     if golden.get("assets") != (fingerprint := model_fingerprint(model_dir)):
         lines.append(
             f"the run's model ({model_dir}, model {fingerprint}) is not the one the golden metrics start from"
@@ -230,6 +234,16 @@ def configs() -> dict[str, list[str]]:
     from tests.verl.test_verl_settings import golden_configs
 
     return {**CONFIGS, **golden_configs()}
+
+
+def model_of(config: str) -> str:
+    """The shipped model `config`'s runs start from: its `--model`, else the Qwen2."""
+    args = configs()[config]
+    return args[args.index("--model") + 1] if "--model" in args else "qwen2"
+
+
+def _model_dir(config: str) -> str:
+    return ensure_assets(log=lambda _: None, model=model_of(config)).model_dir
 
 
 def read_run(out_dir: str) -> dict[str, dict[int, dict]]:
@@ -265,7 +279,7 @@ def refresh(config: str, out_dir: str) -> int:
         json.dumps(
             {
                 "command": f"odc-grpo-cpu {' '.join(args)}",
-                "assets": model_fingerprint(ensure_assets(log=lambda _: None).model_dir),
+                "assets": model_fingerprint(_model_dir(config)),
                 "versions": library_versions(),
                 "rtol": RTOL,
                 "rounding": rounding,

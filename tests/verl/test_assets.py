@@ -10,12 +10,12 @@ import pandas as pd
 import pytest
 
 from odc_plugin.verl.cpu import assets, text_assets
-from tests.verl.golden import configs, golden_file
+from tests.verl.golden import configs, golden_file, model_of
 
 
 def test_the_shipped_model_is_the_one_every_golden_file_starts_from():
-    shipped = assets.model_fingerprint(assets.SHIPPED / "qwen2")
     for config in configs():
+        shipped = assets.model_fingerprint(assets.SHIPPED / model_of(config))
         assert json.loads(golden_file(config).read_text())["assets"] == shipped, config
 
 

@@ -17,11 +17,11 @@ import torch
 from odc_plugin.verl.cpu import assets, grpo, vl_assets
 from odc_plugin.verl.cpu.assets import VL_MODEL, ensure_assets
 from tests.verl import golden
-from tests.verl.trainer_runs import train, worst_difference
+from tests.verl.trainer_runs import close, train, worst_difference
 
 STEPS = 2
-PROMPTS = 4  # a step's prompts, of GROUP_SIZE responses each: one mini-batch of 16 samples
-SMALL = [f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}", *golden.KL_LOSS]
+SMALL = golden.VL_BATCH
+PROMPTS = 4  # a step's prompts in SMALL, of GROUP_SIZE responses each: one mini-batch of 16 samples
 # rank 1 five times slower, in both runs: the auto cost's rank speeds make LB-Mini's shares uneven (golden.py)
 SLOW_RANKS = golden.EXAMPLE_SLOW_RANKS
 
@@ -161,9 +161,19 @@ def test_a_share_of_rope_positions_is_laid_out_as_verls_engine_reads_it(lengths)
 
 @pytest.fixture(scope="module")
 def vl_runs(tmp_path_factory):
-    """odc-grpo-cpu's VL job (--model qwen2_5_vl) with the KL loss, 4 prompts a step, rank 1 slowed: fsdp2, then odc."""
+    """odc-grpo-cpu's VL job (--model qwen2_5_vl) with the KL loss, 4 prompts a step, rank 1 slowed: fsdp2
+    (saving every step), odc, and odc resuming fsdp2's step-1 checkpoint for step 2."""
     out, vl = tmp_path_factory.mktemp("vl"), ensure_assets(model=VL_MODEL)
-    return {s: train(out, vl, "vl", s, STEPS, SMALL, slow_ranks=SLOW_RANKS) for s in grpo.STRATEGIES}
+    runs = {
+        s: train(
+            out, vl, "vl", s, STEPS, [*SMALL, *(["trainer.save_freq=1"] if s == "fsdp2" else [])], slow_ranks=SLOW_RANKS
+        )
+        for s in grpo.STRATEGIES
+    }
+    step_1 = out / "vl" / "checkpoints" / "global_step_1"
+    resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_1}"]
+    runs["odc resumed"] = train(out, vl, "vl-resumed", "odc", STEPS, [*SMALL, *resume], slow_ranks=SLOW_RANKS)
+    return runs
 
 
 def test_odc_trains_the_vision_language_job_as_fsdp2_step_by_step(vl_runs):
@@ -175,6 +185,8 @@ def test_odc_trains_the_vision_language_job_as_fsdp2_step_by_step(vl_runs):
     assert "odc: ODCEngineWithLMHead on 2 ranks" in odc.log()
     worst, where = worst_difference(fsdp2.metrics, odc.metrics, STEPS, golden.CLOSE, golden.CLOSE)
     print(f"worst relative difference odc vs fsdp2: {worst:.2g} ({where})")
+    lines = golden.compare({"fsdp2": fsdp2.metrics, "odc": odc.metrics}, "grpo_cpu_vl")
+    assert not lines, "\n".join([*lines, "if the change is meant to move them: python -m tests.verl.golden"])
     assert fsdp2.metrics[1]["actor/grad_norm"] > 0  # rewards vary within groups: something to learn
 
 
@@ -183,3 +195,16 @@ def test_lb_mini_moves_samples_with_their_images_between_ranks(vl_runs):
     values, grids and rope positions (else the step above would differ from fsdp2's)."""
     odc = vl_runs["odc"].metrics[STEPS]
     assert odc["odc_balance/samples_min"] < odc["odc_balance/samples_max"], odc
+
+
+def test_odc_resumes_the_vision_language_job_from_an_fsdp2_checkpoint(vl_runs):
+    """The resumed run starts after the checkpoint's step, and its step is fsdp2's: the weights and optimizer
+    state it loaded are the ones fsdp2 saved (the same rollouts, the same update)."""
+    fsdp2, resumed = vl_runs["fsdp2"], vl_runs["odc resumed"]
+    assert resumed.result.returncode == 0, grpo.last_error(resumed.result.log_file)
+    assert sorted(resumed.metrics) == [STEPS], "the resumed run starts after the checkpoint's step"
+    a, b = fsdp2.metrics[STEPS], resumed.metrics[STEPS]
+    for key in golden.EXACT:
+        assert a[key] == b[key], (key, a[key], b[key])
+    for key in golden.CLOSE:
+        assert close(a[key], b[key], golden.RTOL), (key, a[key], b[key])
