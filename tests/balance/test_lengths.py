@@ -182,6 +182,42 @@ def test_a_vision_language_data_set_counts_each_image_as_the_tokens_its_processo
         prompt_lengths(spec, load_tokenizer(text.model_dir), load_image_processor(text.model_dir))
 
 
+def test_lb_mini_moves_work_off_the_rank_of_a_prompt_heavy_with_pictures(tmp_path):
+    """The images' tokens in LB-Mini's cost: eight prompts of one text on 2 ranks, verl's split 4 | 4, stay as
+    they are; the same prompts with one carrying three large pictures (their tokens counted as the model's
+    processor expands them) leave that prompt's rank fewer samples."""
+    import io
+
+    import pandas as pd
+    from PIL import Image
+
+    from odc_plugin.balance import lb_mini
+    from odc_plugin.balance.common import rank_shares
+    from odc_plugin.balance.lengths import load_image_processor
+    from odc_plugin.verl.cpu.assets import VL_MODEL, ensure_assets
+
+    vl = ensure_assets(log=lambda _: None, model=VL_MODEL)
+    picture = io.BytesIO()
+    Image.new("RGB", (448, 448), "white").save(picture, format="PNG")
+    heavy = {"bytes": picture.getvalue(), "path": None}
+    rows = [
+        {"prompt": [{"role": "user", "content": "<image>" * n + "How many squares?"}], "images": [heavy] * n}
+        for n in (3, 0, 0, 0, 0, 0, 0, 0)
+    ]
+    pd.DataFrame(rows).to_parquet(tmp_path / "data.parquet")
+    tokenizer, images = load_tokenizer(vl.model_dir), load_image_processor(vl.model_dir)
+    prompts = prompt_lengths(f"{tmp_path / 'data.parquet'}:prompt", tokenizer, images)
+    # 448 / 14 = 32 patches a side, merged 2x2: 256 tokens a picture, between its start and end markers
+    assert prompts[0] == prompts[1] + 3 * (256 + 2)
+    verl_split = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    responses = 400
+    even = lb_mini([prompts[1] + responses] * 8, 2, 8192, baseline=verl_split)
+    assert rank_shares(even) == rank_shares(verl_split)
+    shares = rank_shares(lb_mini([p + responses for p in prompts], 2, 8192, baseline=verl_split))
+    with_heavy = next(share for share in shares if 0 in share)
+    assert len(with_heavy) < 4 < len(next(share for share in shares if 0 not in share)), shares
+
+
 def test_a_column_that_is_not_lengths_fails_in_one_line(verl_files, capsys):
     root, _, _ = verl_files
     data = f"{root}/train.parquet"
