@@ -103,6 +103,12 @@ class _ODCSFT:
     def _build_config(self):
         _as_odc_engine_config(self.config)
         super()._build_config()
+        if hasattr(self.model_config.hf_config, "vision_config"):
+            # not yet run: whether a moved sample's pictures and multi-axis rope positions reach its new rank
+            raise ValueError(
+                "odc: verl's SFT trainers do not train a vision-language model under odc (not yet checked); "
+                "set engine.strategy=fsdp2"
+            )
         from .dispatch import lb_mini_settings
 
         data = self.config.data

@@ -152,6 +152,18 @@ def test_the_sft_trainer_class_is_verls_without_odc_and_refuses_main_ppos_key():
     assert sft.wants_odc(OmegaConf.create({"engine": {"_target_": sft.ODC_ENGINE_CONFIG, "strategy": "odc"}}))
 
 
+def test_a_vision_language_model_is_refused_at_start_in_one_line(tmp_path):
+    from odc_plugin.verl.cpu.assets import VL_MODEL
+
+    vl = ensure_assets(model=VL_MODEL).model_dir
+    code, out, log = _start(tmp_path, "vl", 2, "odc", [f"model.path={vl}", "model.trust_remote_code=True"])
+    assert code != 0 and not os.path.exists(os.path.join(out, "odc.jsonl"))
+    assert sft_cpu.last_error(log) == (
+        "ValueError: odc: verl's SFT trainers do not train a vision-language model under odc (not yet checked); "
+        "set engine.strategy=fsdp2"
+    )
+
+
 @pytest.mark.parametrize(
     "setting, error",
     [
