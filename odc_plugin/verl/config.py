@@ -140,3 +140,8 @@ def config_value(config, key: str):
         if node is None:
             return None
     return node
+
+
+def is_vision_language(hf_config) -> bool:
+    """A vision-language model (Qwen2-VL, Qwen2.5-VL and the like): its config carries its vision tower's."""
+    return hasattr(hf_config, "vision_config")

@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from ..balance.common import chunk
-from .config import config_value
+from .config import config_value, is_vision_language
 
 # verl's SFT trainer modules, and what odc changes in their trainers (`trainer_class`)
 SPMD_MODULE, RAY_MODULE = "verl.trainer.sft_trainer", "verl.trainer.sft_trainer_ray"
@@ -103,7 +103,7 @@ class _ODCSFT:
     def _build_config(self):
         _as_odc_engine_config(self.config)
         super()._build_config()
-        if hasattr(self.model_config.hf_config, "vision_config"):
+        if is_vision_language(self.model_config.hf_config):
             # not yet run: whether a moved sample's pictures and multi-axis rope positions reach its new rank
             raise ValueError(
                 "odc: verl's SFT trainers do not train a vision-language model under odc (not yet checked); "

@@ -40,7 +40,7 @@ from verl.utils.metric import AggregationType, Metric
 
 from ..balance.split import UlyssesModel
 from ..fsdp.ulysses import SequenceGroups
-from .config import as_odc_config
+from .config import as_odc_config, is_vision_language
 from .dispatch import SPLIT_STEPS_KEY
 
 # non-tensor entry of a rank's data: the ranks of the group of each of its leading (split) samples
@@ -78,7 +78,7 @@ class SplitMicroBatches:
     """An engine's split micro-batches: its groups (collective: every rank builds them, in the same order)."""
 
     def __init__(self, engine):
-        if hasattr(engine.model_config.hf_config, "vision_config"):
+        if is_vision_language(engine.model_config.hf_config):
             raise ValueError("odc_split=auto does not split a vision-language model's inputs; set odc_split=off")
         if not engine.use_remove_padding:
             raise ValueError("odc_split=auto runs verl's Ulysses attention, which needs model.use_remove_padding=True")

@@ -63,10 +63,12 @@ def refresh(model: str, out: Path | None = None, steps: int = 400, seed: int = 0
     """Warm-start `model` again on this machine and write it to `out` (default: over its shipped folder);
     returns its fingerprint."""
     out = out or SHIPPED / model
-    if model == VL_MODEL:
-        vl_assets.refresh(out, steps, seed)
-    else:
-        text_assets.refresh(model, out, steps, seed)
+    built, tokens = (
+        vl_assets.warm_started(steps, seed) if model == VL_MODEL else text_assets.warm_started(model, steps, seed)
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    for part in (built, built.generation_config, tokens):  # tokens: the tokenizer, or the processor around it
+        part.save_pretrained(out)
     return model_fingerprint(out)
 
 
@@ -115,7 +117,10 @@ def ensure_assets(root: str | None = None, log=print, model: str = "qwen2") -> A
 
 def _write_data(model: str, directory: str) -> None:
     """The training and validation parquet files of `model`'s job."""
-    (vl_assets if model == VL_MODEL else text_assets).write_data(directory)
+    kind = vl_assets if model == VL_MODEL else text_assets
+    train, val = kind.split_problems()
+    kind.write_parquet(train, os.path.join(directory, "train.parquet"), "train")
+    kind.write_parquet(val, os.path.join(directory, "test.parquet"), "test")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
+from ..config import is_vision_language
 from . import ROLLOUT_NAME
 from .emulation import Emulation
 from .weights import plain_name, to_model_layout
@@ -89,7 +90,7 @@ class HFRolloutServer:
         # the implementations the trainer's model was told to use (override_config), if any
         implementations = {key: override[key] for key in ("experts_implementation",) if key in override}
         # a vision-language model generates from its prompt's images too, made pixel values by its processor
-        vision = hasattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "vision_config")
+        vision = is_vision_language(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
         self.model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
             path,
             torch_dtype=_dtype(config.dtype),

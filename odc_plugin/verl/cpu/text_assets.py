@@ -10,11 +10,8 @@ warm start serve the vision-language model too (vl_assets.py).
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -201,19 +198,10 @@ def split_problems(n_train: int = 512, n_val: int = 64, seed: int = 0) -> tuple[
     return problems[:n_train], problems[n_train:]
 
 
-def refresh(model: str, out: Path, steps: int, seed: int) -> None:
-    """Warm-start the text model `model` again on this machine and write it, with its tokenizer, to `out`."""
+def warm_started(model: str, steps: int, seed: int):
+    """The text model `model` warm-started again on this machine, and its tokenizer."""
     train, val = split_problems(seed=seed)
     tokenizer = build_tokenizer(train + val)
     built = build_model(tokenizer, seed, model)
     warm_start(built, text_examples(tokenizer, train), tokenizer.pad_token_id, steps, seed)
-    shutil.rmtree(out, ignore_errors=True)
-    built.save_pretrained(out)
-    built.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-def write_data(directory: str) -> None:
-    train, val = split_problems()
-    write_parquet(train, os.path.join(directory, "train.parquet"), "train")
-    write_parquet(val, os.path.join(directory, "test.parquet"), "test")
+    return built, tokenizer

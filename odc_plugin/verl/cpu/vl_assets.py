@@ -23,11 +23,8 @@ answer's format and some counting, so that rewards vary within a group.
 from __future__ import annotations
 
 import io
-import os
 import random
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -125,7 +122,7 @@ def make_vl_problems(n: int, seed: int) -> list[VLProblem]:
     return [make_vl_problem(rng, (0, 1, rng.randint(2, 3))[i % 3]) for i in range(n)]
 
 
-def split_vl_problems(n_train: int = 512, n_val: int = 64, seed: int = 0) -> tuple[list[VLProblem], list[VLProblem]]:
+def split_problems(n_train: int = 512, n_val: int = 64, seed: int = 0) -> tuple[list[VLProblem], list[VLProblem]]:
     problems = make_vl_problems(n_train + n_val, seed)
     return problems[:n_train], problems[n_train:]
 
@@ -136,7 +133,7 @@ def make_vl_row(problem: VLProblem, split: str, index: int) -> dict:
     return {**row, "images": [{"bytes": png, "path": None} for png in problem.images]}
 
 
-def write_vl_parquet(problems: list[VLProblem], path: str, split: str) -> None:
+def write_parquet(problems: list[VLProblem], path: str, split: str) -> None:
     import pandas as pd
 
     pd.DataFrame([make_vl_row(p, split, i) for i, p in enumerate(problems)]).to_parquet(path)
@@ -228,19 +225,10 @@ def examples(processor, problems: list[VLProblem]) -> list[dict]:
     return out
 
 
-def refresh(out: Path, steps: int, seed: int) -> None:
-    """Warm-start the model again on this machine and write it, with its processor, to `out`."""
-    train, val = split_vl_problems(seed=seed)
+def warm_started(steps: int, seed: int):
+    """The model warm-started again on this machine, and its processor."""
+    train, val = split_problems(seed=seed)
     processor = build_processor(train + val)
     model = build_vl_model(processor, seed)
     warm_start(model, examples(processor, train), processor.tokenizer.pad_token_id, steps, seed)
-    shutil.rmtree(out, ignore_errors=True)
-    model.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    processor.save_pretrained(out)
-
-
-def write_data(directory: str) -> None:
-    train, val = split_vl_problems()
-    write_vl_parquet(train, os.path.join(directory, "train.parquet"), "train")
-    write_vl_parquet(val, os.path.join(directory, "test.parquet"), "test")
+    return model, processor
