@@ -11,13 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from odc_plugin.balance import LengthSample, load_lengths, planner, rl_math_like, sft_long_context_like
-from odc_plugin.balance.lengths import (
-    load_tokenizer,
-    logged_step_lengths,
-    plan_lengths,
-    prompt_lengths,
-    rollout_dump_lengths,
-)
+from odc_plugin.balance.lengths import logged_step_lengths, plan_lengths
+from odc_plugin.balance.verl_data import load_tokenizer, prompt_lengths, rollout_dump_lengths
 from odc_plugin.verl.cpu.text_assets import prompt_messages
 
 
@@ -159,7 +154,7 @@ def test_a_vision_language_data_set_counts_each_image_as_the_tokens_its_processo
     from PIL import Image
     from transformers import AutoProcessor
 
-    from odc_plugin.balance.lengths import _with_images, load_image_processor
+    from odc_plugin.balance.verl_data import _with_images, load_image_processor
     from odc_plugin.verl.cpu.assets import VL_MODEL, ensure_assets
 
     vl, text = ensure_assets(log=lambda _: None, model=VL_MODEL), ensure_assets(log=lambda _: None)
@@ -193,7 +188,7 @@ def test_lb_mini_moves_work_off_the_rank_of_a_prompt_heavy_with_pictures(tmp_pat
 
     from odc_plugin.balance import lb_mini
     from odc_plugin.balance.common import rank_shares
-    from odc_plugin.balance.lengths import load_image_processor
+    from odc_plugin.balance.verl_data import load_image_processor
     from odc_plugin.verl.cpu.assets import VL_MODEL, ensure_assets
 
     vl = ensure_assets(log=lambda _: None, model=VL_MODEL)
